@@ -1,0 +1,2 @@
+"""TensorRT engines: per-GPU recipes, build plans, quantization, the engine store.
+Empty until the TensorRT issue lands."""

@@ -1,0 +1,1 @@
+"""Denoiser families in PyTorch (`models/`), Hugging Face checkpoints, and (later) ONNX export."""

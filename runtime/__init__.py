@@ -1,0 +1,1 @@
+"""The step loop and what drives it: the reference generate loop, backends, policies, metrics."""
