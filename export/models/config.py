@@ -1,0 +1,100 @@
+"""Typed parsing of a Hugging Face config.json into a frozen dataclass.
+
+Every family declares its config as a dataclass; `parse` checks that each field
+is present (unless it has a default) and of the annotated JSON type, and that
+fields naming architecture features hold a value the family implements. Errors
+name the file, the field, what was expected and what was found.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+from dlmrt.errors import CheckpointError, UnsupportedFeatureError
+
+C = TypeVar("C")
+
+_JSON_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string",
+               dict: "an object", list: "a list", type(None): "null"}
+
+
+def _matches(value: Any, kind: Any) -> bool:
+    origin = typing.get_origin(kind)
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, k) for k in typing.get_args(kind))
+    if origin is list:
+        (item,) = typing.get_args(kind)
+        return isinstance(value, list) and all(_matches(v, item) for v in value)
+    if origin is dict:
+        return isinstance(value, dict)
+    if kind is type(None):
+        return value is None
+    if kind is bool:
+        return isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, kind)
+
+
+def _describe(kind: Any) -> str:
+    origin = typing.get_origin(kind)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(k) for k in typing.get_args(kind))
+    if origin is list:
+        return f"a list of {_describe(typing.get_args(kind)[0]).removeprefix('an ').removeprefix('a ')}s"
+    if origin is dict:
+        return "an object"
+    return _JSON_NAMES.get(kind, kind.__name__)
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value)
+
+
+def _found(value: Any) -> str:
+    return f"{_json(value)} ({type(value).__name__})"
+
+
+def parse(cls: type[C], raw: Mapping[str, Any], source: Path | str,
+          supported: Mapping[str, tuple[Any, ...]] | None = None) -> C:
+    """Build `cls` from the JSON object `raw`; unknown keys are ignored, as Hugging Face does.
+
+    `supported` maps a raw key to the values dlmrt implements for it; any other
+    value raises UnsupportedFeatureError before a weight is read.
+    """
+    for key, allowed in (supported or {}).items():
+        if key in raw and raw[key] not in allowed:
+            choices = ", ".join(_json(a) for a in allowed)
+            raise UnsupportedFeatureError(
+                f"{source}: {key}={_json(raw[key])} is not supported by dlmrt (supported: {choices})")
+    hints = typing.get_type_hints(cls)
+    values: dict[str, Any] = {}
+    for field in dataclasses.fields(cls):
+        if not field.init:
+            continue
+        kind = hints[field.name]
+        if field.name not in raw:
+            if field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
+                raise CheckpointError(
+                    f"{source}: required field '{field.name}' is missing (expected {_describe(kind)})")
+            continue
+        value = raw[field.name]
+        if not _matches(value, kind):
+            raise CheckpointError(
+                f"{source}: field '{field.name}' must be {_describe(kind)}, got {_found(value)}")
+        values[field.name] = float(value) if kind is float else value
+    return cls(**values)
+
+
+def require(condition: bool, source: Path | str, message: str) -> None:
+    """Raise a CheckpointError about `source` unless `condition` holds (for cross-field checks)."""
+    if not condition:
+        raise CheckpointError(f"{source}: {message}")

@@ -1,0 +1,154 @@
+"""The denoiser contract every family implements.
+
+A denoiser maps token ids `[B, T]` (plus positions, a key mask, an optional
+cached prefix of K/V and, for ORL models, the residual of the last step) to
+logits `[B, T, V]`, and on request to the window's K/V and the next residual.
+It knows nothing about decoding policies. Families differ in their blocks and
+attention pattern (bidirectional, or block-causal on an absolute grid), never
+in this interface.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any, ClassVar, NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+from dlmrt.errors import ArgumentError
+from dlmrt.export.models import residual as residual_context
+from dlmrt.export.models.layers import attention_mask, rotary_tables
+from dlmrt.export.models.residual import Residual, ResidualConfig
+
+
+class SpecialTokens(NamedTuple):
+    mask_id: int
+    eos_ids: tuple[int, ...]
+    pad_id: int
+
+
+class PastKV(NamedTuple):
+    """Keys and values of a cached prefix, for every layer."""
+
+    kv: Tensor  # [L, 2, B, Hkv, P, D], rotary already applied to K
+    positions: Tensor  # [B, P]
+
+
+class DenoiserOutput(NamedTuple):
+    logits: Tensor  # [B, T, V], in the weights' dtype
+    kv: Tensor | None  # [L, 2, B, Hkv, T, D] of the window, when asked
+    residual: Residual | None  # the next residual, for ORL models
+
+
+class Denoiser(nn.Module, ABC):
+    """Base class: subclasses build their modules under the checkpoint's tensor names."""
+
+    model_type: ClassVar[str]
+    block_causal: ClassVar[bool] = False
+    # Block size of the block-causal grid when a call does not give one.
+    default_block_length: ClassVar[int | None] = None
+
+    def __init__(self, config: Any, residual_config: ResidualConfig | None, tokens: SpecialTokens | None):
+        super().__init__()
+        self.config = config
+        self.residual_config = residual_config
+        self.tokens = tokens
+        self.raw_config: dict[str, Any] = {}
+        self.tokenizer = None  # a tokenizers.Tokenizer when the checkpoint has tokenizer.json
+        self.generation_config: dict[str, Any] = {}  # generation_config.json, as read
+        self.name = self.model_type
+
+    # -- what a family provides ---------------------------------------------------------
+    hidden_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    rotary_dim: int
+    rope_theta: float
+    max_positions: int
+
+    @abstractmethod
+    def input_embedding(self) -> nn.Embedding: ...
+
+    @abstractmethod
+    def residual_adapter(self) -> nn.Module:
+        """The ORL adapter module (only called when the pathway is on)."""
+
+    @abstractmethod
+    def blocks(self) -> Sequence[nn.Module]:
+        """Each block maps `(x, cos, sin, mask, past_kv)` to `(x, (k, v))`."""
+
+    @abstractmethod
+    def head(self, hidden: Tensor) -> Tensor:
+        """Final norm and output projection."""
+
+    # -- the contract -------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        """Width of the logits (rows of the input embedding)."""
+        return self.input_embedding().num_embeddings
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.input_embedding().weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.input_embedding().weight.device
+
+    def forward(self, input_ids: Tensor, **kwargs: Any) -> Tensor:
+        """Logits `[B, T, V]` for token ids `[B, T]`; keyword arguments as for `denoise`."""
+        if input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64):
+            raise ArgumentError(
+                f"input_ids must be an integer tensor of shape [batch, length], got "
+                f"{input_ids.dtype} of shape {list(input_ids.shape)}")
+        if input_ids.numel() and (input_ids.min() < 0 or input_ids.max() >= self.vocab_size):
+            raise ArgumentError(
+                f"input_ids must lie in [0, {self.vocab_size}) for this model, got values in "
+                f"[{int(input_ids.min())}, {int(input_ids.max())}]")
+        return self.denoise(input_ids, **kwargs).logits
+
+    def denoise(self, input_ids: Tensor, *, positions: Tensor | None = None,
+                key_mask: Tensor | None = None, past: PastKV | None = None,
+                residual: Residual | None = None, return_kv: bool = False,
+                block_length: int | None = None) -> DenoiserOutput:
+        """One denoising forward.
+
+        positions: `[B, T]`; by default each row counts its unpadded tokens from 0.
+        key_mask: `[B, P + T]`, False for padding (left padding in batches).
+        past: a cached prefix; positions are then required.
+        residual: the last step's residual (ORL models); None before the first step.
+        block_length: the block-causal grid, for block-diffusion families.
+        """
+        batch, length = input_ids.shape
+        prefix = 0 if past is None else past.kv.shape[4]
+        if key_mask is None:
+            key_mask = torch.ones(batch, prefix + length, dtype=torch.bool, device=input_ids.device)
+        if positions is None:
+            if past is not None:
+                raise ArgumentError("denoise: positions are required when a cached prefix is given")
+            positions = (key_mask.long().cumsum(-1) - 1).clamp(min=0)
+        key_positions = positions if past is None else torch.cat((past.positions, positions), dim=1)
+        grid = (block_length or self.default_block_length) if self.block_causal else None
+        mask = attention_mask(positions, key_positions, key_mask, grid)
+        cos, sin = rotary_tables(positions, self.rotary_dim, self.rope_theta)
+
+        x = self.input_embedding()(input_ids)
+        if self.residual_config is not None:
+            x = residual_context.mix(x, input_ids == self.tokens.mask_id, residual,
+                                     self.residual_adapter())
+        window_kv = []
+        for index, block in enumerate(self.blocks()):
+            layer_past = None if past is None else (past.kv[index, 0], past.kv[index, 1])
+            x, kv = block(x, cos, sin, mask, layer_past)
+            if return_kv:
+                window_kv.append(torch.stack(kv))
+        logits = self.head(x)
+
+        next_residual = None
+        if self.residual_config is not None:
+            next_residual = residual_context.next_residual(
+                logits, self.input_embedding().weight, self.residual_config.topk)
+        return DenoiserOutput(logits, torch.stack(window_kv) if return_kv else None, next_residual)

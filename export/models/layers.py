@@ -1,0 +1,92 @@
+"""Building blocks shared by the denoiser families: norms, rotary embeddings, attention, MLPs.
+
+Conventions: hidden states are `[B, T, H]`; queries `[B, Hq, T, D]`; keys and values
+`[B, Hkv, S, D]` where `S = P + T` when a prefix of `P` cached keys is given.
+Norms, rotary embeddings and softmax run in float32 whatever the weights' dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class SwiGLU(nn.Module):
+    """`down_proj(silu(gate_proj(x)) * up_proj(x))`."""
+
+    def __init__(self, hidden: int, inner: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inner, bias=False)
+        self.up_proj = nn.Linear(hidden, inner, bias=False)
+        self.down_proj = nn.Linear(inner, hidden, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def rotary_tables(positions: Tensor, rotary_dim: int, theta: float) -> tuple[Tensor, Tensor]:
+    """cos and sin `[B, 1, T, rotary_dim]` (float32) for the half-split ("rotate_half") convention."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, device=positions.device,
+                                             dtype=torch.float32) / rotary_dim))
+    freqs = positions.to(torch.float32)[..., None] * inv_freq  # [B, T, rotary_dim / 2]
+    angles = torch.cat((freqs, freqs), dim=-1)[:, None]
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate the first `cos.shape[-1]` channels of each head; the rest pass through."""
+    rotary_dim = cos.shape[-1]
+    rot = x[..., :rotary_dim].float()
+    first, second = rot.chunk(2, dim=-1)
+    rotated = rot * cos + torch.cat((-second, first), dim=-1) * sin
+    if rotary_dim == x.shape[-1]:
+        return rotated.to(x.dtype)
+    return torch.cat((rotated.to(x.dtype), x[..., rotary_dim:]), dim=-1)
+
+
+def attention_mask(query_positions: Tensor, key_positions: Tensor, key_mask: Tensor,
+                   block_length: int | None) -> Tensor:
+    """Boolean `[B, 1, T, S]` (True = may attend).
+
+    Bidirectional attention sees every unpadded key. Block-causal attention
+    (block diffusion) also hides keys whose block, on the absolute grid
+    `position // block_length`, lies after the query's block.
+    """
+    allowed = key_mask.bool()[:, None, :]  # [B, 1, S]
+    if block_length is not None:
+        key_block = key_positions[:, None, :] // block_length
+        query_block = query_positions[:, :, None] // block_length
+        allowed = allowed & (key_block <= query_block)  # [B, T, S]
+    return allowed[:, None]
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """Scaled dot-product attention with grouped K/V heads; returns `[B, T, Hq * D]`."""
+    batch, q_heads, length, head_dim = q.shape
+    kv_heads = k.shape[1]
+    if kv_heads != q_heads:
+        group = q_heads // kv_heads
+        k = k[:, :, None].expand(-1, -1, group, -1, -1).reshape(batch, q_heads, -1, head_dim)
+        v = v[:, :, None].expand(-1, -1, group, -1, -1).reshape(batch, q_heads, -1, head_dim)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return out.transpose(1, 2).reshape(batch, length, q_heads * head_dim)
+
+
+def with_past(k: Tensor, v: Tensor, past: tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor]:
+    """Keys and values over the cached prefix followed by the window."""
+    if past is None:
+        return k, v
+    return torch.cat((past[0], k), dim=2), torch.cat((past[1], v), dim=2)

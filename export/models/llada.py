@@ -1,0 +1,152 @@
+"""The LLaDA family (`LLaDAModelLM`, model_type `llada`): the LLaDA-8B architecture.
+
+A bidirectional Llama-style encoder: RMSNorm, SwiGLU, full rotary embeddings,
+MHA or GQA. Modules sit under the public checkpoints' tensor names
+(`model.transformer.blocks.{i}.q_proj.weight`, ...), so a LLaDA-8B-Instruct
+directory loads unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dlmrt.export.models import config as config_parsing
+from dlmrt.export.models.denoiser import Denoiser, SpecialTokens
+from dlmrt.export.models.layers import RMSNorm, apply_rotary, attend, with_past
+from dlmrt.export.models.residual import ResidualConfig, build_adapter
+
+
+@dataclass(frozen=True)
+class LLaDAConfig:
+    d_model: int
+    n_heads: int
+    n_layers: int
+    vocab_size: int
+    mlp_hidden_size: int | None = None
+    mlp_ratio: int = 4
+    n_kv_heads: int | None = None
+    multi_query_attention: bool | None = None
+    embedding_size: int | None = None
+    max_sequence_length: int = 1024
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    weight_tying: bool = False
+    include_qkv_bias: bool = False
+
+    @property
+    def kv_heads(self) -> int:
+        if self.n_kv_heads is not None:
+            return self.n_kv_heads
+        return 1 if self.multi_query_attention else self.n_heads
+
+    @property
+    def mlp_width(self) -> int:
+        return self.mlp_hidden_size if self.mlp_hidden_size is not None else self.mlp_ratio * self.d_model
+
+
+# Config values that select architecture variants dlmrt does not implement.
+SUPPORTED_FEATURES = {
+    "block_type": ("llama",),
+    "activation_type": ("silu",),
+    "layer_norm_type": ("rms",),
+    "layer_norm_with_affine": (True,),
+    "attention_layer_norm": (False,),
+    "alibi": (False,),
+    "rope": (True,),
+    "include_bias": (False,),
+    "scale_logits": (False,),
+    "input_emb_norm": (False,),
+    "block_group_size": (1,),
+    "clip_qkv": (None,),
+}
+
+
+def parse_config(raw: dict, source: str) -> LLaDAConfig:
+    c = config_parsing.parse(LLaDAConfig, raw, source, SUPPORTED_FEATURES)
+    for name in ("d_model", "n_heads", "n_layers", "vocab_size", "mlp_width", "kv_heads",
+                 "max_sequence_length"):
+        config_parsing.require(getattr(c, name) > 0, source, f"{name} must be positive")
+    config_parsing.require(c.d_model % c.n_heads == 0, source,
+                           f"d_model ({c.d_model}) must be divisible by n_heads ({c.n_heads})")
+    config_parsing.require(c.n_heads % c.kv_heads == 0, source,
+                           f"n_heads ({c.n_heads}) must be divisible by n_kv_heads ({c.kv_heads})")
+    config_parsing.require((c.d_model // c.n_heads) % 2 == 0, source,
+                           "the head size d_model / n_heads must be even for rotary embeddings")
+    config_parsing.require(c.embedding_size is None or c.embedding_size >= c.vocab_size, source,
+                           f"embedding_size ({c.embedding_size}) must be at least vocab_size ({c.vocab_size})")
+    return c
+
+
+class LLaDABlock(nn.Module):
+    def __init__(self, c: LLaDAConfig):
+        super().__init__()
+        self.heads, self.kv_heads = c.n_heads, c.kv_heads
+        self.head_dim = c.d_model // c.n_heads
+        self.attn_norm = RMSNorm(c.d_model, c.rms_norm_eps)
+        self.q_proj = nn.Linear(c.d_model, c.d_model, bias=c.include_qkv_bias)
+        self.k_proj = nn.Linear(c.d_model, c.kv_heads * self.head_dim, bias=c.include_qkv_bias)
+        self.v_proj = nn.Linear(c.d_model, c.kv_heads * self.head_dim, bias=c.include_qkv_bias)
+        self.attn_out = nn.Linear(c.d_model, c.d_model, bias=False)
+        self.ff_norm = RMSNorm(c.d_model, c.rms_norm_eps)
+        self.ff_proj = nn.Linear(c.d_model, c.mlp_width, bias=False)  # the SwiGLU gate
+        self.up_proj = nn.Linear(c.d_model, c.mlp_width, bias=False)
+        self.ff_out = nn.Linear(c.mlp_width, c.d_model, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor,
+                past: tuple[Tensor, Tensor] | None) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        batch, length, _ = x.shape
+        h = self.attn_norm(x)
+        q = self.q_proj(h).view(batch, length, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(h).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(h).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        keys, values = with_past(k, v, past)
+        x = x + self.attn_out(attend(q, keys, values, mask))
+        h = self.ff_norm(x)
+        x = x + self.ff_out(F.silu(self.ff_proj(h)) * self.up_proj(h))
+        return x, (k, v)
+
+
+class LLaDA(Denoiser):
+    model_type = "llada"
+
+    def __init__(self, config: LLaDAConfig, residual_config: ResidualConfig | None,
+                 tokens: SpecialTokens | None):
+        super().__init__(config, residual_config, tokens)
+        c = config
+        self.hidden_size, self.num_layers = c.d_model, c.n_layers
+        self.num_kv_heads, self.head_dim = c.kv_heads, c.d_model // c.n_heads
+        self.rotary_dim, self.rope_theta = self.head_dim, c.rope_theta
+        self.max_positions = c.max_sequence_length
+        rows = c.embedding_size or c.vocab_size
+        transformer = nn.ModuleDict({
+            "wte": nn.Embedding(rows, c.d_model),
+            "blocks": nn.ModuleList(LLaDABlock(c) for _ in range(c.n_layers)),
+            "ln_f": RMSNorm(c.d_model, c.rms_norm_eps),
+        })
+        if not c.weight_tying:
+            transformer["ff_out"] = nn.Linear(c.d_model, rows, bias=False)
+        if residual_config is not None:
+            transformer["residual_adapter"] = build_adapter(residual_config, c.d_model)
+        self.model = nn.Module()
+        self.model.transformer = transformer
+
+    def input_embedding(self) -> nn.Embedding:
+        return self.model.transformer["wte"]
+
+    def residual_adapter(self) -> nn.Module:
+        return self.model.transformer["residual_adapter"]
+
+    def blocks(self) -> Sequence[nn.Module]:
+        return self.model.transformer["blocks"]
+
+    def head(self, hidden: Tensor) -> Tensor:
+        t = self.model.transformer
+        hidden = t["ln_f"](hidden)
+        if self.config.weight_tying:
+            return F.linear(hidden, t["wte"].weight)
+        return t["ff_out"](hidden)
