@@ -1,0 +1,270 @@
+"""Hugging Face model directories: load a denoiser from one, save one as one.
+
+A directory holds config.json, the weights as model.safetensors or as shards
+listed in model.safetensors.index.json, and optionally tokenizer.json and
+generation_config.json. No pickle, no remote code: a weight is read from a
+safetensors file or the load fails, and the model is built on the meta device
+so that no parameter is ever silently random.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from tokenizers import Tokenizer
+
+from dlmrt import atomic
+from dlmrt.errors import ArgumentError, CheckpointError
+from dlmrt.export import models
+from dlmrt.export.models import Denoiser, SpecialTokens
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+# Names of the mask token in public tokenizers (LLaDA, LLaDA2.x), looked up when no config gives the id.
+MASK_TOKEN_NAMES = ("<|mdm_mask|>", "<|mask|>")
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype, config: Mapping[str, Any] | None = None) -> torch.dtype:
+    """A torch dtype from a name; "auto" takes config.json's `dtype` (or `torch_dtype`)."""
+    if isinstance(dtype, torch.dtype):
+        if dtype in DTYPES.values():
+            return dtype
+        raise ArgumentError(f"dtype {dtype} is not supported (use float32, bfloat16 or float16)")
+    if dtype == "auto":
+        declared = (config or {}).get("dtype") or (config or {}).get("torch_dtype") or "float32"
+        return resolve_dtype(declared)
+    if dtype not in DTYPES:
+        raise ArgumentError(f"dtype {dtype!r} is not supported (use one of: auto, {', '.join(DTYPES)})")
+    return DTYPES[dtype]
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as error:
+        raise CheckpointError(f"{path}: cannot be read ({error})") from None
+    except json.JSONDecodeError as error:
+        raise CheckpointError(f"{path}: is not valid JSON ({error})") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path}: must hold a JSON object, got {type(value).__name__}")
+    return value
+
+
+def read_config(root: Path) -> dict[str, Any]:
+    if not root.exists():
+        raise CheckpointError(f"model directory {root} does not exist")
+    if not root.is_dir():
+        raise CheckpointError(f"{root} is not a directory (expected a Hugging Face model directory)")
+    path = root / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{root} has no config.json (expected a Hugging Face model directory)")
+    return _read_json(path)
+
+
+def load_tokenizer(root: Path) -> Tokenizer | None:
+    path = root / "tokenizer.json"
+    if not path.is_file():
+        return None
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as error:  # tokenizers raises plain Exception subclasses
+        raise CheckpointError(f"{path}: cannot be parsed by the tokenizers library ({error})") from None
+
+
+def _token_ids(value: Any, source: str, field: str) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    values = value if isinstance(value, list) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise CheckpointError(f"{source}: field '{field}' must be an integer or a list of integers, "
+                              f"got {json.dumps(value)}")
+    return tuple(values)
+
+
+def read_generation_config(root: Path) -> dict[str, Any]:
+    path = root / "generation_config.json"
+    return _read_json(path) if path.is_file() else {}
+
+
+def resolve_special_tokens(root: Path, config: Mapping[str, Any], generation: Mapping[str, Any],
+                           tokenizer: Tokenizer | None, mask_id: int | None = None,
+                           eos_id: int | Iterable[int] | None = None,
+                           pad_id: int | None = None) -> SpecialTokens:
+    """Mask, EOS and pad ids, each from the first place that gives it: the arguments; then
+    config.json and generation_config.json (for EOS, generation_config.json first, as Hugging
+    Face generation does); for the mask, the tokenizer's mask token. Pad falls back to EOS."""
+    sources = ((config, str(root / "config.json")), (generation, str(root / "generation_config.json")))
+
+    def first(field: str) -> tuple[int, ...]:
+        for values, source in (sources[::-1] if field == "eos_token_id" else sources):
+            ids = _token_ids(values.get(field), source, field)
+            if ids:
+                return ids
+        return ()
+
+    if mask_id is None:
+        found = first("mask_token_id")
+        if found:
+            mask_id = found[0]
+        elif tokenizer is not None:
+            mask_id = next((i for name in MASK_TOKEN_NAMES
+                            if (i := tokenizer.token_to_id(name)) is not None), None)
+    if mask_id is None:
+        raise CheckpointError(
+            f"{root}: no mask token id: config.json and generation_config.json have no mask_token_id "
+            f"and tokenizer.json has none of {', '.join(MASK_TOKEN_NAMES)}; pass mask_id=...")
+    if eos_id is None:
+        eos_ids = (*first("eos_token_id"),)
+    else:
+        eos_ids = (eos_id,) if isinstance(eos_id, int) else tuple(eos_id)
+    if pad_id is None:
+        pads = first("pad_token_id")
+        pad_id = pads[0] if pads else (eos_ids[0] if eos_ids else mask_id)
+    return SpecialTokens(mask_id, eos_ids, pad_id)
+
+
+def _open(path: Path):
+    try:
+        return safe_open(str(path), framework="pt")
+    except SafetensorError as error:
+        raise CheckpointError(f"{path}: not a valid safetensors file, it may be truncated or corrupt "
+                              f"({error}); re-save or re-download it") from None
+    except OSError as error:
+        raise CheckpointError(f"{path}: cannot be read ({error})") from None
+
+
+def tensor_files(root: Path) -> dict[str, Path]:
+    """Which safetensors file holds each tensor, from the shard index or the single file."""
+    index_path = root / INDEX_FILE
+    if index_path.is_file():
+        weight_map = _read_json(index_path).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index_path}: field 'weight_map' must be an object mapping tensor "
+                                  f"names to shard file names")
+        for shard in sorted(set(weight_map.values())):
+            if not (root / shard).is_file():
+                raise CheckpointError(f"{index_path}: lists shard {shard}, which is missing from {root}")
+        return {name: root / shard for name, shard in weight_map.items()}
+    if (root / SINGLE_FILE).is_file():
+        with _open(root / SINGLE_FILE) as f:
+            return {name: root / SINGLE_FILE for name in f.keys()}
+    hint = ""
+    if any((root / name).exists() for name in ("pytorch_model.bin", "pytorch_model.bin.index.json")):
+        hint = "; dlmrt reads safetensors only (no pickle): convert the .bin weights to safetensors"
+    raise CheckpointError(f"{root} has no {SINGLE_FILE} or {INDEX_FILE}{hint}")
+
+
+def _check_weights(root: Path, expected: Mapping[str, tuple[int, ...]], files: Mapping[str, Path],
+                   family: str) -> None:
+    """One error listing every missing, unexpected and mis-shaped tensor."""
+    problems = []
+    by_file: dict[Path, list[str]] = {}
+    for name, path in files.items():
+        by_file.setdefault(path, []).append(name)
+    for path, names in sorted(by_file.items()):
+        with _open(path) as f:
+            present = set(f.keys())
+            for name in names:
+                if name not in present:
+                    problems.append(f"tensor '{name}' is listed in {INDEX_FILE} but missing from {path.name}")
+                elif name not in expected:
+                    problems.append(f"unexpected tensor '{name}' in {path.name} (not part of a {family} "
+                                    f"model with this config.json)")
+                elif tuple(shape := f.get_slice(name).get_shape()) != expected[name]:
+                    problems.append(f"tensor '{name}' in {path.name} has shape {list(shape)}, but "
+                                    f"config.json implies {list(expected[name])}")
+            if len(by_file) > 1:
+                for name in sorted(present - set(names)):
+                    problems.append(f"tensor '{name}' is in {path.name} but not listed in {INDEX_FILE}")
+    for name in sorted(set(expected) - set(files)):
+        problems.append(f"missing tensor '{name}' (shape {list(expected[name])} from config.json)")
+    if problems:
+        shown = "\n  - ".join(problems[:12])
+        more = f"\n  ... and {len(problems) - 12} more" if len(problems) > 12 else ""
+        raise CheckpointError(f"{root}: the weights do not match config.json:\n  - {shown}{more}")
+
+
+def load(path: str | os.PathLike, *, dtype: str | torch.dtype = "float32", device: str = "cpu",
+         mask_id: int | None = None, eos_id: int | Iterable[int] | None = None,
+         pad_id: int | None = None) -> Denoiser:
+    """Load the denoiser of a Hugging Face model directory, ready for inference."""
+    root = Path(path)
+    raw = read_config(root)
+    source = str(root / "config.json")
+    models.family_of(raw, source)
+    torch_dtype = resolve_dtype(dtype, raw)
+    tokenizer = load_tokenizer(root)
+    generation = read_generation_config(root)
+    tokens = resolve_special_tokens(root, raw, generation, tokenizer, mask_id, eos_id, pad_id)
+    model = models.build(raw, source, tokens)
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    files = tensor_files(root)
+    _check_weights(root, expected, files, raw["model_type"])
+
+    state = {}
+    for shard in sorted(set(files.values())):
+        with _open(shard) as f:
+            for name in f.keys():
+                state[name] = f.get_tensor(name).to(device=device, dtype=torch_dtype)
+    model.load_state_dict(state, strict=True, assign=True)
+    model.requires_grad_(False).eval()
+    model.tokenizer = tokenizer
+    model.generation_config = generation
+    model.name = root.resolve().name
+    return model
+
+
+def _shards(state: Mapping[str, torch.Tensor], max_shard_bytes: int) -> list[dict[str, torch.Tensor]]:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in state.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    return shards
+
+
+def save(model: Denoiser, path: str | os.PathLike, *, max_shard_bytes: int | None = None) -> Path:
+    """Write `model` as a Hugging Face directory (atomically: all of it or, on failure, none)."""
+    path = Path(path)
+    state = {name: t.detach().contiguous().cpu() for name, t in model.state_dict().items()}
+    config = dict(model.raw_config)
+    config["torch_dtype"] = str(model.dtype).removeprefix("torch.")
+    if model.tokens is not None:
+        config.setdefault("mask_token_id", model.tokens.mask_id)
+    with atomic.directory(path) as staging:
+        (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if max_shard_bytes is None:
+            save_file(state, str(staging / SINGLE_FILE), metadata={"format": "pt"})
+        else:
+            shards = _shards(state, max_shard_bytes)
+            weight_map = {}
+            for number, shard in enumerate(shards, start=1):
+                name = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+                save_file(shard, str(staging / name), metadata={"format": "pt"})
+                weight_map.update(dict.fromkeys(shard, name))
+            total = sum(t.numel() * t.element_size() for t in state.values())
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (staging / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        generation = dict(model.generation_config)
+        if model.tokens is not None:
+            generation.update(mask_token_id=model.tokens.mask_id, pad_token_id=model.tokens.pad_id,
+                              eos_token_id=list(model.tokens.eos_ids))
+        if generation:
+            (staging / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+        if model.tokenizer is not None:
+            model.tokenizer.save(str(staging / "tokenizer.json"))
+    return path
