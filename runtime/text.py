@@ -1,0 +1,36 @@
+"""Between text and token ids: prompts in, completions out."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from dlmrt.errors import ArgumentError
+from dlmrt.export.models import Denoiser
+
+
+def encode(model: Denoiser, text: str) -> list[int]:
+    """Token ids of a prompt, with the checkpoint's tokenizer (tokenizer.json)."""
+    if model.tokenizer is None:
+        raise ArgumentError(f"the model {model.name} has no tokenizer.json: pass token ids "
+                            f"(--prompt-ids) instead of text")
+    try:
+        return model.tokenizer.encode(text).ids
+    except Exception as error:  # tokenizers raises plain Exceptions
+        unknown = sorted({c for c in text if model.tokenizer.token_to_id(c) is None})
+        detail = f"characters not in its vocabulary: {unknown}" if unknown else str(error)
+        raise ArgumentError(f"the prompt {text!r} cannot be tokenized by {model.name}'s tokenizer "
+                            f"({detail})") from None
+
+
+def completion(tokens: Sequence[int], eos_ids: Sequence[int]) -> list[int]:
+    """Generated ids up to (not including) the first end-of-sequence token."""
+    tokens = list(tokens)
+    ends = [i for i, t in enumerate(tokens) if t in eos_ids]
+    return tokens[:ends[0]] if ends else tokens
+
+
+def decode(model: Denoiser, ids: Sequence[int]) -> str | None:
+    """Text of generated ids (special tokens skipped), or None without a tokenizer."""
+    if model.tokenizer is None:
+        return None
+    return model.tokenizer.decode(list(ids), skip_special_tokens=True)

@@ -1,0 +1,204 @@
+"""Bad checkpoints and bad arguments: one clear error naming what was wrong, never a random weight."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import dlmrt
+from dlmrt.errors import ArgumentError, CheckpointError, UnsupportedFeatureError
+from dlmrt.export import checkpoint
+from dlmrt.runtime import reference
+from helpers import LLADA, random_model
+
+
+@pytest.fixture
+def llada_dir(tmp_path):
+    return checkpoint.save(random_model(LLADA), tmp_path / "model")
+
+
+def edit_config(directory, **changes):
+    path = directory / "config.json"
+    raw = json.loads(path.read_text())
+    for key, value in changes.items():
+        if value is ...:
+            del raw[key]
+        else:
+            raw[key] = value
+    path.write_text(json.dumps(raw))
+
+
+def edit_weights(directory, edit):
+    path = directory / "model.safetensors"
+    state = load_file(path)
+    edit(state)
+    save_file(state, path)
+
+
+def test_missing_directory(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        dlmrt.load(tmp_path / "nowhere")
+
+
+def test_directory_without_config(tmp_path):
+    with pytest.raises(CheckpointError, match="has no config.json"):
+        dlmrt.load(tmp_path)
+
+
+def test_config_that_is_not_json(llada_dir):
+    (llada_dir / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match=r"config.json: is not valid JSON"):
+        dlmrt.load(llada_dir)
+
+
+def test_unknown_model_type(llada_dir):
+    edit_config(llada_dir, model_type="gpt2")
+    with pytest.raises(UnsupportedFeatureError, match=r"model_type 'gpt2' is not supported \(supported: llada, llada2_moe\)"):
+        dlmrt.load(llada_dir)
+
+
+def test_missing_model_type(llada_dir):
+    edit_config(llada_dir, model_type=...)
+    with pytest.raises(CheckpointError, match="required field 'model_type' is missing"):
+        dlmrt.load(llada_dir)
+
+
+def test_missing_config_field(llada_dir):
+    edit_config(llada_dir, n_layers=...)
+    with pytest.raises(CheckpointError, match=r"config.json: required field 'n_layers' is missing \(expected an integer\)"):
+        dlmrt.load(llada_dir)
+
+
+@pytest.mark.parametrize("field, value, expected", [
+    ("n_heads", "4", r"field 'n_heads' must be an integer, got \"4\" \(str\)"),
+    ("rope_theta", "big", r"field 'rope_theta' must be a number"),
+    ("weight_tying", 0, r"field 'weight_tying' must be true or false, got 0 \(int\)"),
+    ("n_kv_heads", 2.5, r"field 'n_kv_heads' must be an integer or null, got 2.5"),
+])
+def test_config_field_of_the_wrong_type(llada_dir, field, value, expected):
+    edit_config(llada_dir, **{field: value})
+    with pytest.raises(CheckpointError, match=expected):
+        dlmrt.load(llada_dir)
+
+
+def test_inconsistent_config(llada_dir):
+    edit_config(llada_dir, n_kv_heads=3)
+    with pytest.raises(CheckpointError, match=r"n_heads \(4\) must be divisible by n_kv_heads \(3\)"):
+        dlmrt.load(llada_dir)
+
+
+def test_unsupported_feature(llada_dir):
+    edit_config(llada_dir, alibi=True)
+    with pytest.raises(UnsupportedFeatureError, match=r"alibi=true is not supported by dlmrt \(supported: false\)"):
+        dlmrt.load(llada_dir)
+
+
+def test_unknown_residual_adapter(llada_dir):
+    edit_config(llada_dir, residual_context={"adapter": "transformer"})
+    with pytest.raises(UnsupportedFeatureError, match="residual_context.adapter='transformer' is not a known adapter"):
+        dlmrt.load(llada_dir)
+
+
+def test_missing_tensor(llada_dir):
+    edit_weights(llada_dir, lambda s: s.pop("model.transformer.blocks.1.up_proj.weight"))
+    with pytest.raises(CheckpointError, match=r"missing tensor 'model.transformer.blocks.1.up_proj.weight' \(shape \[48, 32\]"):
+        dlmrt.load(llada_dir)
+
+
+def test_unexpected_tensor(llada_dir):
+    edit_weights(llada_dir, lambda s: s.update({"model.transformer.blocks.0.extra.weight": torch.zeros(2)}))
+    with pytest.raises(CheckpointError, match=r"unexpected tensor 'model.transformer.blocks.0.extra.weight' in model.safetensors"):
+        dlmrt.load(llada_dir)
+
+
+def test_shape_disagreeing_with_config(llada_dir):
+    edit_config(llada_dir, mlp_hidden_size=64)
+    with pytest.raises(CheckpointError) as caught:
+        dlmrt.load(llada_dir)
+    message = str(caught.value)
+    assert "tensor 'model.transformer.blocks.0.ff_proj.weight' in model.safetensors has shape [48, 32], " \
+           "but config.json implies [64, 32]" in message
+    assert "up_proj" in message and "ff_out" in message  # every problem, at once
+
+
+def test_truncated_safetensors(llada_dir):
+    path = llada_dir / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(CheckpointError, match=r"model.safetensors: not a valid safetensors file, it may be truncated"):
+        dlmrt.load(llada_dir)
+
+
+def test_no_weights_and_pickle_only(llada_dir):
+    (llada_dir / "model.safetensors").rename(llada_dir / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match=r"has no model.safetensors or model.safetensors.index.json; "
+                                              r"dlmrt reads safetensors only \(no pickle\)"):
+        dlmrt.load(llada_dir)
+
+
+def test_index_naming_a_missing_shard(tmp_path):
+    directory = checkpoint.save(random_model(LLADA), tmp_path / "m", max_shard_bytes=20_000)
+    shard = sorted(directory.glob("model-*.safetensors"))[1]
+    shard.unlink()
+    with pytest.raises(CheckpointError, match=f"lists shard {shard.name}, which is missing"):
+        dlmrt.load(directory)
+
+
+def test_index_disagreeing_with_shards(tmp_path):
+    directory = checkpoint.save(random_model(LLADA), tmp_path / "m", max_shard_bytes=20_000)
+    index_path = directory / checkpoint.INDEX_FILE
+    index = json.loads(index_path.read_text())
+    name = "model.transformer.ln_f.weight"
+    index["weight_map"][name] = next(f for f in sorted(set(index["weight_map"].values()))
+                                     if f != index["weight_map"][name])
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=f"tensor '{name}' is listed in model.safetensors.index.json but missing"):
+        dlmrt.load(directory)
+
+
+def test_token_id_outside_vocabulary(llada_dir):
+    edit_config(llada_dir, mask_token_id=1000)
+    with pytest.raises(CheckpointError, match=r"the mask token id 1000 lies outside the vocabulary \[0, 43\)"):
+        dlmrt.load(llada_dir)
+
+
+def test_unknown_dtype(llada_dir):
+    with pytest.raises(ArgumentError, match="dtype 'int8' is not supported"):
+        dlmrt.load(llada_dir, dtype="int8")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model(LLADA)
+
+
+@pytest.mark.parametrize("settings, expected", [
+    (dict(gen_length=10, block_length=4, steps=10), r"gen-length \(10\) must be divisible by block-length \(4\)"),
+    (dict(gen_length=8, block_length=4, steps=5), r"steps \(5\) must be divisible by the number of blocks"),
+    (dict(gen_length=0, block_length=4, steps=4), "gen-length must be positive"),
+    (dict(gen_length=8, block_length=8, steps=8, remasking="greedy"), "remasking must be one of"),
+    (dict(gen_length=8, block_length=8, steps=8, temperature=-1.0), "temperature must be >= 0"),
+])
+def test_bad_generation_settings(model, settings, expected):
+    with pytest.raises(ArgumentError, match=expected):
+        reference.generate(model, [[5, 6]], reference.GenerationSettings(**settings))
+
+
+@pytest.mark.parametrize("prompts, expected", [
+    ([[5, 99]], r"prompt 0 has token ids outside the vocabulary \[0, 43\): \[99\]"),
+    ([[5], [-1]], r"prompt 1 has token ids outside the vocabulary"),
+    ([[]], "prompt 0 is empty"),
+    ([], "no prompt given"),
+    ([[5, 2]], "prompt 0 contains the mask token id 2"),
+    ([[5] * 60], r"prompt 0 \(60 tokens\) \+ gen-length \(8\) exceeds the model's context of 64"),
+])
+def test_bad_prompts(model, prompts, expected):
+    with pytest.raises(ArgumentError, match=expected):
+        reference.generate(model, prompts, reference.GenerationSettings(8, 8, 8))
+
+
+def test_forward_rejects_ids_outside_vocabulary(model):
+    with pytest.raises(ArgumentError, match=r"input_ids must lie in \[0, 43\)"):
+        model(torch.tensor([[1, 43]]))
