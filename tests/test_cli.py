@@ -1,0 +1,82 @@
+"""`dlmrt generate`: outputs, JSON metrics, and one-line errors for bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from dlmrt.cli import main
+from dlmrt.export import checkpoint
+from helpers import LLADA, random_model
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    model = random_model(LLADA)
+    model.generation_config = {"gen_length": 8, "block_length": 4}
+    return checkpoint.save(model, tmp_path_factory.mktemp("cli") / "model")
+
+
+def run(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def test_help_lists_the_llada_options():
+    result = run("generate", "--help")
+    assert result.exit_code == 0
+    for option in ("--gen-length", "--block-length", "--steps", "--remasking", "--temperature",
+                   "--cfg-scale", "--seed", "--dtype", "--prompt-ids", "--json"):
+        assert option in result.output
+
+
+def test_json_output_and_metrics(model_dir):
+    result = run("generate", "--model", model_dir, "--prompt-ids", "5,6,7", "--prompt-ids", "8,9",
+                 "--gen-length", 8, "--block-length", 4, "--steps", 4, "--json")
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.output)
+    assert len(payload["outputs"]) == 2
+    for output in payload["outputs"]:
+        assert len(output["token_ids"]) <= 8 and 1 not in output["token_ids"]  # cut at the first EOS
+        assert output["finish_reason"] in ("eos", "length")
+        assert isinstance(output["text"], str)
+    metrics = payload["metrics"]
+    assert metrics["nfe"] == 4 and metrics["generated_tokens"] == 16 and metrics["batch_size"] == 2
+    assert metrics["tpf"] == 2.0 and metrics["tokens_per_s"] > 0 and metrics["prompt_tokens"] == 5
+
+
+def test_defaults_come_from_generation_config(model_dir):
+    result = run("generate", "--model", model_dir, "--prompt", "rev:abc=", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["metrics"]["nfe"] == 8  # gen_length 8, one token per step
+
+
+def test_text_output_is_one_line_per_prompt(model_dir):
+    result = run("generate", "--model", model_dir, "--prompt", "rev:abc=", "--prompt", "sort:321=")
+    assert result.exit_code == 0, result.output
+    assert len(result.output.splitlines()) == 2
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--prompt-ids", "1,x"], "expected comma-separated integers"),
+    (["--prompt-ids", "5,999"], "prompt 0 has token ids outside the vocabulary [0, 43): [999]"),
+    (["--prompt-ids", "5", "--gen-length", "10", "--block-length", "4"],
+     "gen-length (10) must be divisible by block-length (4)"),
+    (["--prompt-ids", "5", "--gen-length", "8", "--block-length", "4", "--steps", "3"],
+     "steps (3) must be divisible by the number of blocks"),
+    (["--prompt", "rev:ABC="], "characters not in its vocabulary: ['A', 'B', 'C']"),
+    (["--prompt", "x", "--prompt-ids", "1"], "give either --prompt or --prompt-ids, not both"),
+    ([], "give at least one --prompt or --prompt-ids"),
+])
+def test_bad_input_gives_one_clear_line(model_dir, args, message):
+    result = run("generate", "--model", model_dir, *args)
+    assert result.exit_code == 2
+    assert message in result.output
+    assert "Traceback" not in result.output
+
+
+def test_missing_model_directory():
+    result = run("generate", "--model", "/nonexistent/model", "--prompt-ids", "5,6")
+    assert result.exit_code == 2
+    assert result.output.strip() == "Error: model directory /nonexistent/model does not exist"
