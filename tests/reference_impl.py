@@ -212,11 +212,8 @@ def _adapter_kind(config: dict) -> str | None:
     return residual_context.get("adapter", "mlp")
 
 
-# -- family `llada` ---------------------------------------------------------------------
-
-def llada_forward(state: dict, config: dict, ids, positions=None, key_mask=None, past=None,
-                  residual=None, mask_id=None):
-    """Logits [B, T, V] and window K/V of the LLaDA (bidirectional) family."""
+def prepare_inputs(state: dict, ids, positions, key_mask, past):
+    """The state in float64, and the key mask and positions with their defaults filled in."""
     state = {name: tensor.detach().to(F64) for name, tensor in state.items()}
     batch, length = ids.shape
     prefix = 0 if past is None else past[0].shape[4]
@@ -226,6 +223,16 @@ def llada_forward(state: dict, config: dict, ids, positions=None, key_mask=None,
         if past is not None:
             raise ValueError("positions are required with a cached prefix")
         positions = default_positions(key_mask)
+    return state, key_mask, positions
+
+
+# -- family `llada` ---------------------------------------------------------------------
+
+def llada_forward(state: dict, config: dict, ids, positions=None, key_mask=None, past=None,
+                  residual=None, mask_id=None):
+    """Logits [B, T, V] and window K/V of the LLaDA (bidirectional) family."""
+    state, key_mask, positions = prepare_inputs(state, ids, positions, key_mask, past)
+    length = ids.shape[1]
     d = config["d_model"]
     n_heads, n_kv = config["n_heads"], config["n_kv_heads"]
     head_dim = d // n_heads
@@ -322,15 +329,8 @@ def moe_ref(x: torch.Tensor, state: dict, p: str, config: dict, trace: list | No
 def llada2_forward(state: dict, config: dict, ids, positions=None, key_mask=None, past=None,
                    residual=None, mask_id=None, block_length: int = 32, trace: list | None = None):
     """Logits [B, T, V] and window K/V of the LLaDA2 MoE (block-causal) family."""
-    state = {name: tensor.detach().to(F64) for name, tensor in state.items()}
-    batch, length = ids.shape
-    prefix = 0 if past is None else past[0].shape[4]
-    if key_mask is None:
-        key_mask = torch.ones(batch, prefix + length, dtype=torch.bool)
-    if positions is None:
-        if past is not None:
-            raise ValueError("positions are required with a cached prefix")
-        positions = default_positions(key_mask)
+    state, key_mask, positions = prepare_inputs(state, ids, positions, key_mask, past)
+    length = ids.shape[1]
     n_heads, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // n_heads
     rotary_dim = int(head_dim * config.get("partial_rotary_factor", 1.0))

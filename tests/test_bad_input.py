@@ -54,51 +54,25 @@ def test_config_that_is_not_json(llada_dir):
         dlmrt.load(llada_dir)
 
 
-def test_unknown_model_type(llada_dir):
-    edit_config(llada_dir, model_type="gpt2")
-    with pytest.raises(UnsupportedFeatureError, match=r"model_type 'gpt2' is not supported \(supported: llada, llada2_moe\)"):
-        dlmrt.load(llada_dir)
-
-
-def test_missing_model_type(llada_dir):
-    edit_config(llada_dir, model_type=...)
-    with pytest.raises(CheckpointError, match="required field 'model_type' is missing"):
-        dlmrt.load(llada_dir)
-
-
-def test_missing_config_field(llada_dir):
-    edit_config(llada_dir, n_layers=...)
-    with pytest.raises(CheckpointError, match=r"config.json: required field 'n_layers' is missing \(expected an integer\)"):
-        dlmrt.load(llada_dir)
-
-
-@pytest.mark.parametrize("field, value, expected", [
-    ("n_heads", "4", r"field 'n_heads' must be an integer, got \"4\" \(str\)"),
-    ("rope_theta", "big", r"field 'rope_theta' must be a number"),
-    ("weight_tying", 0, r"field 'weight_tying' must be true or false, got 0 \(int\)"),
-    ("n_kv_heads", 2.5, r"field 'n_kv_heads' must be an integer or null, got 2.5"),
-])
-def test_config_field_of_the_wrong_type(llada_dir, field, value, expected):
-    edit_config(llada_dir, **{field: value})
-    with pytest.raises(CheckpointError, match=expected):
-        dlmrt.load(llada_dir)
-
-
-def test_inconsistent_config(llada_dir):
-    edit_config(llada_dir, n_kv_heads=3)
-    with pytest.raises(CheckpointError, match=r"n_heads \(4\) must be divisible by n_kv_heads \(3\)"):
-        dlmrt.load(llada_dir)
-
-
-def test_unsupported_feature(llada_dir):
-    edit_config(llada_dir, alibi=True)
-    with pytest.raises(UnsupportedFeatureError, match=r"alibi=true is not supported by dlmrt \(supported: false\)"):
-        dlmrt.load(llada_dir)
-
-
-def test_unknown_residual_adapter(llada_dir):
-    edit_config(llada_dir, residual_context={"adapter": "transformer"})
-    with pytest.raises(UnsupportedFeatureError, match="residual_context.adapter='transformer' is not a known adapter"):
+@pytest.mark.parametrize("changes, error, message", [
+    ({"model_type": "gpt2"}, UnsupportedFeatureError,
+     r"model_type 'gpt2' is not supported \(supported: llada, llada2_moe\)"),
+    ({"model_type": ...}, CheckpointError, "required field 'model_type' is missing"),
+    ({"n_layers": ...}, CheckpointError, r"config.json: required field 'n_layers' is missing \(expected an integer\)"),
+    ({"n_heads": "4"}, CheckpointError, r"field 'n_heads' must be an integer, got \"4\" \(str\)"),
+    ({"rope_theta": "big"}, CheckpointError, r"field 'rope_theta' must be a number"),
+    ({"weight_tying": 0}, CheckpointError, r"field 'weight_tying' must be true or false, got 0 \(int\)"),
+    ({"n_kv_heads": 2.5}, CheckpointError, r"field 'n_kv_heads' must be an integer or null, got 2.5"),
+    ({"n_kv_heads": 3}, CheckpointError, r"n_heads \(4\) must be divisible by n_kv_heads \(3\)"),
+    ({"alibi": True}, UnsupportedFeatureError, r"alibi=true is not supported by dlmrt \(supported: false\)"),
+    ({"residual_context": {"adapter": "transformer"}}, UnsupportedFeatureError,
+     "residual_context.adapter='transformer' is not a known adapter"),
+    ({"mask_token_id": 1000}, CheckpointError, r"the mask token id 1000 lies outside the vocabulary \[0, 43\)"),
+], ids=["unknown model_type", "no model_type", "missing field", "str for int", "str for float", "int for bool",
+        "float for int", "inconsistent", "unsupported feature", "unknown adapter", "token id"])
+def test_bad_config(llada_dir, changes, error, message):
+    edit_config(llada_dir, **changes)
+    with pytest.raises(error, match=message):
         dlmrt.load(llada_dir)
 
 
@@ -156,12 +130,6 @@ def test_index_disagreeing_with_shards(tmp_path):
     index_path.write_text(json.dumps(index))
     with pytest.raises(CheckpointError, match=f"tensor '{name}' is listed in model.safetensors.index.json but missing"):
         dlmrt.load(directory)
-
-
-def test_token_id_outside_vocabulary(llada_dir):
-    edit_config(llada_dir, mask_token_id=1000)
-    with pytest.raises(CheckpointError, match=r"the mask token id 1000 lies outside the vocabulary \[0, 43\)"):
-        dlmrt.load(llada_dir)
 
 
 def test_unknown_dtype(llada_dir):
