@@ -304,7 +304,7 @@ def moe_ref(x: torch.Tensor, state: dict, p: str, config: dict, trace: list | No
     """The MoE block on x [B, T, H], token by token, expert by expert."""
     out = torch.zeros_like(x)
     router = state[p + "mlp.gate.weight"]
-    bias = state.get(p + "mlp.gate.expert_bias") if config.get("moe_router_enable_expert_bias") else None
+    bias = state[p + "mlp.gate.expert_bias"]
     shared = bool(config.get("num_shared_experts"))
     for b in range(x.shape[0]):
         for t in range(x.shape[1]):

@@ -67,9 +67,10 @@ def test_config_that_is_not_json(llada_dir):
     ({"alibi": True}, UnsupportedFeatureError, r"alibi=true is not supported by dlmrt \(supported: false\)"),
     ({"residual_context": {"adapter": "transformer"}}, UnsupportedFeatureError,
      "residual_context.adapter='transformer' is not a known adapter"),
+    ({"residual_context": True}, CheckpointError, "field 'residual_context' must be an object or null, got true"),
     ({"mask_token_id": 1000}, CheckpointError, r"the mask token id 1000 lies outside the vocabulary \[0, 43\)"),
 ], ids=["unknown model_type", "no model_type", "missing field", "str for int", "str for float", "int for bool",
-        "float for int", "inconsistent", "unsupported feature", "unknown adapter", "token id"])
+        "float for int", "inconsistent", "unsupported feature", "unknown adapter", "residual not an object", "token id"])
 def test_bad_config(llada_dir, changes, error, message):
     edit_config(llada_dir, **changes)
     with pytest.raises(error, match=message):

@@ -164,9 +164,8 @@ LLADA2_CASES = {
     "allmoe_qkvbias_wide_heads": dict(hidden_size=48, head_dim=16, num_attention_heads=4,
                                       num_key_value_heads=1, first_k_dense_replace=0,
                                       use_qkv_bias=True, rope_theta=600000.0),
-    "no_qknorm_full_rotary_no_bias": dict(use_qk_norm=False, partial_rotary_factor=1.0,
-                                          moe_router_enable_expert_bias=False, hidden_size=64,
-                                          num_attention_heads=8, num_key_value_heads=4),
+    "no_qknorm_full_rotary": dict(use_qk_norm=False, partial_rotary_factor=1.0, hidden_size=64,
+                                  num_attention_heads=8, num_key_value_heads=4),
 }
 
 
@@ -427,7 +426,7 @@ def test_llada2_reference_is_sensitive():
     for wrong in (dict(rope_theta=20000.0), dict(partial_rotary_factor=1.0), dict(norm_topk_prob=False),
                   dict(routed_scaling_factor=2.0), dict(n_group=1), dict(topk_group=3),
                   dict(num_experts_per_tok=3), dict(use_qk_norm=False), dict(num_shared_experts=0),
-                  dict(moe_router_enable_expert_bias=False), dict(first_k_dense_replace=0)):
+                  dict(first_k_dense_replace=0)):
         if "first_k_dense_replace" in wrong:
             with pytest.raises(KeyError):  # layer 0's MoE weights do not exist
                 llada2_forward(state, config(raw, **wrong), ids)
@@ -437,6 +436,9 @@ def test_llada2_reference_is_sensitive():
     perturbed = {k: v.clone() for k, v in state.items()}
     perturbed["model.layers.1.mlp.experts.3.up_proj.weight"] *= 1.5
     perturbed["model.layers.1.mlp.experts.6.up_proj.weight"] *= 1.5
+    check_mismatch(logits, llada2_forward(perturbed, raw, ids)[0])
+    perturbed = {k: v.clone() for k, v in state.items()}
+    perturbed["model.layers.1.mlp.gate.expert_bias"].zero_()
     check_mismatch(logits, llada2_forward(perturbed, raw, ids)[0])
     perturbed = {k: v.clone() for k, v in state.items()}
     perturbed["model.layers.0.attention.key_layernorm.weight"][1] += 0.2

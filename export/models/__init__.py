@@ -85,7 +85,7 @@ def create(raw: Mapping[str, Any], *, tokens: SpecialTokens | None = None, seed:
                 module.weight.normal_(0.0, init_std, generator=generator)
                 if getattr(module, "bias", None) is not None:
                     module.bias.zero_()
-            elif isinstance(module, llada2_moe.Router) and module.expert_bias is not None:
+            elif isinstance(module, llada2_moe.Router):
                 module.expert_bias.zero_()
         if model.residual_config is not None:
             model.residual_adapter().output_layer().weight.zero_()

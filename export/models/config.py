@@ -21,18 +21,13 @@ from dlmrt.errors import CheckpointError, UnsupportedFeatureError
 C = TypeVar("C")
 
 _JSON_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string",
-               dict: "an object", list: "a list", type(None): "null"}
+               type(None): "null"}
 
 
 def _matches(value: Any, kind: Any) -> bool:
     origin = typing.get_origin(kind)
     if origin in (typing.Union, types.UnionType):
         return any(_matches(value, k) for k in typing.get_args(kind))
-    if origin is list:
-        (item,) = typing.get_args(kind)
-        return isinstance(value, list) and all(_matches(v, item) for v in value)
-    if origin is dict:
-        return isinstance(value, dict)
     if kind is type(None):
         return value is None
     if kind is bool:
@@ -41,18 +36,14 @@ def _matches(value: Any, kind: Any) -> bool:
         return isinstance(value, int) and not isinstance(value, bool)
     if kind is float:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
-    return isinstance(value, kind)
+    return isinstance(value, kind)  # str
 
 
 def _describe(kind: Any) -> str:
     origin = typing.get_origin(kind)
     if origin in (typing.Union, types.UnionType):
         return " or ".join(_describe(k) for k in typing.get_args(kind))
-    if origin is list:
-        return f"a list of {_describe(typing.get_args(kind)[0]).removeprefix('an ').removeprefix('a ')}s"
-    if origin is dict:
-        return "an object"
-    return _JSON_NAMES.get(kind, kind.__name__)
+    return _JSON_NAMES[kind]
 
 
 def _json(value: Any) -> str:

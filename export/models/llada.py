@@ -58,6 +58,7 @@ SUPPORTED_FEATURES = {
     "alibi": (False,),
     "rope": (True,),
     "include_bias": (False,),
+    "bias_for_layer_norm": (False, None),
     "scale_logits": (False,),
     "input_emb_norm": (False,),
     "block_group_size": (1,),

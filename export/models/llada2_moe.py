@@ -45,7 +45,6 @@ class LLaDA2MoeConfig:
     topk_group: int | None = None
     routed_scaling_factor: float = 1.0
     norm_topk_prob: bool = True
-    moe_router_enable_expert_bias: bool = False
     partial_rotary_factor: float = 1.0
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
@@ -138,15 +137,14 @@ class Router(nn.Module):
         self.top_groups = c.topk_group or self.groups
         self.scale, self.normalize = c.routed_scaling_factor, c.norm_topk_prob
         self.weight = nn.Parameter(torch.empty(c.num_experts, c.hidden_size))
-        if c.moe_router_enable_expert_bias:
-            self.register_buffer("expert_bias", torch.zeros(c.num_experts))
-        else:
-            self.expert_bias = None
+        # The public model code keeps this buffer (and saves it) whatever
+        # `moe_router_enable_expert_bias` says, so every checkpoint has it.
+        self.register_buffer("expert_bias", torch.zeros(c.num_experts))
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """Chosen experts `[N, k]` and their float32 weights `[N, k]` for tokens `[N, H]`."""
         scores = torch.sigmoid(F.linear(x.float(), self.weight.float()))
-        choice = scores if self.expert_bias is None else scores + self.expert_bias.float()
+        choice = scores + self.expert_bias.float()
         if self.groups > 1:
             tokens = choice.shape[0]
             by_group = choice.view(tokens, self.groups, -1)

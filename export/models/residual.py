@@ -20,6 +20,7 @@ Adapters live in `ADAPTERS`; register another beside `mlp` and `linear`.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -28,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dlmrt.errors import UnsupportedFeatureError
+from dlmrt.errors import CheckpointError, UnsupportedFeatureError
 from dlmrt.export.models import config as config_parsing
 
 
@@ -83,6 +84,9 @@ def parse_config(raw: object, source: str) -> ResidualConfig | None:
     """The `residual_context` entry of config.json, or None when the pathway is off."""
     if raw is None:
         return None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{source}: field 'residual_context' must be an object or null, "
+                              f"got {json.dumps(raw)}")
     config = config_parsing.parse(ResidualConfig, raw, f"{source} (residual_context)")
     if config.adapter not in ADAPTERS:
         raise UnsupportedFeatureError(
