@@ -87,16 +87,15 @@ def generate(model_dir, prompts, prompt_ids, gen_length, block_length, steps, re
 
     model = dlmrt.load(model_dir or TINY_MODEL_DIR, dtype=dtype)
     defaults = model.generation_config
-    gen_length = gen_length or defaults.get("gen_length", 128)
+    if gen_length is None:
+        gen_length = defaults.get("gen_length", 128)
     if block_length is None:
         default_block = defaults.get("block_length", gen_length)
         block_length = default_block if default_block > 0 and gen_length % default_block == 0 else gen_length
     settings = reference.GenerationSettings(
-        gen_length=gen_length, block_length=block_length, steps=steps or gen_length, remasking=remasking,
-        temperature=temperature, cfg_scale=cfg_scale, seed=seed)
-    settings.validate()
+        gen_length=gen_length, block_length=block_length, steps=gen_length if steps is None else steps,
+        remasking=remasking, temperature=temperature, cfg_scale=cfg_scale, seed=seed)
     batch = [text.encode(model, p) for p in prompts] if prompts else id_prompts
-    reference.check_prompts(batch, model, settings.gen_length)
 
     console = Console(stderr=True)
     with Progress(TextColumn("denoising"), BarColumn(), MofNCompleteColumn(), transient=True,

@@ -65,6 +65,8 @@ def test_text_output_is_one_line_per_prompt(model_dir):
      "gen-length (10) must be divisible by block-length (4)"),
     (["--prompt-ids", "5", "--gen-length", "8", "--block-length", "4", "--steps", "3"],
      "steps (3) must be divisible by the number of blocks"),
+    (["--prompt-ids", "5", "--gen-length", "0"], "gen-length must be positive, got 0"),
+    (["--prompt-ids", "5", "--steps", "0"], "steps must be positive, got 0"),
     (["--prompt", "rev:ABC="], "characters not in its vocabulary: ['A', 'B', 'C']"),
     (["--prompt", "x", "--prompt-ids", "1"], "give either --prompt or --prompt-ids, not both"),
     ([], "give at least one --prompt or --prompt-ids"),
