@@ -13,6 +13,9 @@ from dlmrt import TINY_MODEL_DIR, __version__
 from dlmrt.errors import DlmrtError
 
 DTYPE_CHOICES = ("float32", "bfloat16", "float16", "fp32", "bf16", "fp16", "auto")
+# Kept here (not imported from dlmrt.runtime) so that `dlmrt --help` does not import torch.
+POLICY_NAMES = ("fixed", "threshold", "factor", "llada2", "residual")
+CACHE_NAMES = ("none", "prefix", "dual")
 
 
 class UserError(click.ClickException):
@@ -45,34 +48,94 @@ def main() -> None:
     """dlmrt: fast inference for diffusion language models (LLaDA, LLaDA2.x, ORL)."""
 
 
+def model_option(command):
+    return click.option("--model", "model_dir", type=click.Path(path_type=Path), default=None,
+                        help="Hugging Face model directory (default: the tiny model shipped with dlmrt).")(command)
+
+
+def decoding_options(command):
+    """The options that choose a policy, a cache and the block layout (generate and eval)."""
+    options = [
+        click.option("--gen-length", type=int, default=None,
+                     help="Tokens to generate [default: the model's generation_config, else 128]."),
+        click.option("--block-length", type=int, default=None,
+                     help="Semi-autoregressive block size [default: the model's, if it divides "
+                          "--gen-length, else --gen-length]."),
+        click.option("--policy", type=str, default=None,
+                     help=f"Decoding policy: {', '.join(POLICY_NAMES)} [default: llada2 for llada2_moe "
+                          f"models, else fixed]."),
+        click.option("--steps", type=int, default=None,
+                     help="fixed: denoising steps in all [default: --gen-length]; llada2: steps per "
+                          "block [default: 32]."),
+        click.option("--remasking", type=click.Choice(("low_confidence", "random")), default="low_confidence",
+                     show_default=True, help="fixed: how to pick the positions committed at each step."),
+        click.option("--threshold", type=float, default=None,
+                     help="threshold, residual: commit every position at least this confident "
+                          "[default: 0.9]; llada2: strictly above [default: 0.95]."),
+        click.option("--factor", type=float, default=None,
+                     help="factor, residual: Fast-dLLM's factor rule [default: 1.0]."),
+        click.option("--confidence", type=click.Choice(("prob", "margin", "entropy")), default="prob",
+                     show_default=True, help="Confidence measure for threshold, factor, llada2, residual."),
+        click.option("--minimal-topk", type=int, default=1, show_default=True,
+                     help="llada2: caps its steps per block at gen-length // minimal-topk."),
+        click.option("--cache", type=click.Choice(CACHE_NAMES), default="none", show_default=True,
+                     help="K/V cache: none, prefix (the exact block cache for block-causal models) or dual."),
+        click.option("--max-block-steps", type=int, default=None,
+                     help="Step budget per block; the last step commits what is left."),
+        click.option("--temperature", type=float, default=0.0, show_default=True,
+                     help="Gumbel-noise temperature; 0 is greedy."),
+        click.option("--cfg-scale", type=float, default=0.0, show_default=True,
+                     help="Classifier-free guidance scale; 0 turns it off."),
+        click.option("--seed", type=int, default=0, show_default=True,
+                     help="Seed for sampling and random remasking (row i uses seed + i)."),
+        click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default="float32", show_default=True,
+                     help="Weights' dtype; auto takes config.json's."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def settings_from_options(model, *, gen_length, block_length, policy, steps, remasking, threshold, factor,
+                          confidence, minimal_topk, cache, max_block_steps, temperature, cfg_scale, seed,
+                          ignore_eos=False):
+    """GenerationSettings from the decoding options, with defaults from the model."""
+    from dlmrt.runtime import GenerationSettings, make_policy
+
+    defaults = model.generation_config
+    if gen_length is None:
+        gen_length = defaults.get("gen_length", 128)
+    if block_length is None:
+        default_block = defaults.get("block_length", model.default_block_length or gen_length)
+        block_length = default_block if default_block > 0 and gen_length % default_block == 0 else gen_length
+    if policy is None:
+        policy = "llada2" if model.block_causal else "fixed"
+    chosen = make_policy(policy, steps=steps, remasking=remasking, threshold=threshold, factor=factor,
+                         confidence=confidence, minimal_topk=minimal_topk)
+    return GenerationSettings(gen_length=gen_length, block_length=block_length, policy=chosen,
+                              temperature=temperature, cfg_scale=cfg_scale, seed=seed, cache=cache,
+                              ignore_eos=ignore_eos, max_block_steps=max_block_steps)
+
+
 @main.command()
-@click.option("--model", "model_dir", type=click.Path(path_type=Path), default=None,
-              help="Hugging Face model directory (default: the tiny model shipped with dlmrt).")
+@model_option
 @click.option("--prompt", "prompts", multiple=True, metavar="TEXT",
               help="Prompt text (no chat template is applied). Repeat for a batch.")
 @click.option("--prompt-ids", "prompt_ids", multiple=True, metavar="1,2,3",
               help="Prompt as raw token ids. Repeat for a batch.")
-@click.option("--gen-length", type=int, default=None,
-              help="Tokens to generate [default: the model's generation_config, else 128].")
-@click.option("--block-length", type=int, default=None,
-              help="Semi-autoregressive block size [default: the model's, if it divides "
-                   "--gen-length, else --gen-length].")
-@click.option("--steps", type=int, default=None,
-              help="Denoising steps in all [default: --gen-length, one token per step].")
-@click.option("--remasking", type=click.Choice(("low_confidence", "random")), default="low_confidence",
-              show_default=True, help="How to pick the positions committed at each step.")
-@click.option("--temperature", type=float, default=0.0, show_default=True,
-              help="Gumbel-noise temperature; 0 is greedy.")
-@click.option("--cfg-scale", type=float, default=0.0, show_default=True,
-              help="Classifier-free guidance scale; 0 turns it off.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed for sampling and random remasking.")
-@click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default="float32", show_default=True,
-              help="Weights' dtype; auto takes config.json's.")
+@decoding_options
+@click.option("--ignore-eos", is_flag=True,
+              help="Decode the full length after end-of-sequence, as the research scripts do.")
+@click.option("--backend", type=click.Choice(("torch", "reference")), default="torch", show_default=True,
+              help="torch: the step loop in eager PyTorch; reference: LLaDA's plain loop (fixed policy, "
+                   "no cache), the oracle the others are tested against.")
+@click.option("--stream", is_flag=True, help="Print committed text block by block as it is decoded.")
+@click.option("--metrics", "show_metrics", is_flag=True, help="Print a metrics table on stderr.")
 @click.option("--json", "as_json", is_flag=True, help="Print outputs and metrics as JSON.")
 @reports_errors
-def generate(model_dir, prompts, prompt_ids, gen_length, block_length, steps, remasking, temperature,
-             cfg_scale, seed, dtype, as_json):
-    """Generate with the reference LLaDA loop (plain eager torch)."""
+def generate(model_dir, prompts, prompt_ids, ignore_eos, backend, stream, show_metrics, as_json, dtype,
+             **decoding):
+    """Generate from prompts with a decoding policy and cache mode."""
     if prompts and prompt_ids:
         raise click.UsageError("give either --prompt or --prompt-ids, not both")
     if not prompts and not prompt_ids:
@@ -80,39 +143,76 @@ def generate(model_dir, prompts, prompt_ids, gen_length, block_length, steps, re
     id_prompts = [parse_ids(value) for value in prompt_ids]
 
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
     import dlmrt
-    from dlmrt.runtime import reference, text
+    from dlmrt.runtime import Generator, reference, text
 
     model = dlmrt.load(model_dir or TINY_MODEL_DIR, dtype=dtype)
-    defaults = model.generation_config
-    if gen_length is None:
-        gen_length = defaults.get("gen_length", 128)
-    if block_length is None:
-        default_block = defaults.get("block_length", gen_length)
-        block_length = default_block if default_block > 0 and gen_length % default_block == 0 else gen_length
-    settings = reference.GenerationSettings(
-        gen_length=gen_length, block_length=block_length, steps=gen_length if steps is None else steps,
-        remasking=remasking, temperature=temperature, cfg_scale=cfg_scale, seed=seed)
+    settings = settings_from_options(model, ignore_eos=ignore_eos, **decoding)
     batch = [text.encode(model, p) for p in prompts] if prompts else id_prompts
-
     console = Console(stderr=True)
-    with Progress(TextColumn("denoising"), BarColumn(), MofNCompleteColumn(), transient=True,
-                  console=console, disable=not console.is_terminal) as progress:
-        bar = progress.add_task("steps", total=settings.steps)
-        result = reference.generate(model, batch, settings, on_step=lambda: progress.advance(bar))
+
+    if backend == "reference":
+        if stream:
+            raise click.UsageError("--stream needs --backend torch")
+        out = reference.generate(model, batch, settings)
+        rows = [(row, "length") for row in out.tokens.tolist()]
+        metrics = out.metrics
+    else:
+        generator = Generator(model)
+        with step_progress(console) as advance:
+            run = generator.stream(batch, settings, on_step=advance)
+            for update in run:
+                if stream:
+                    print_update(model, update, len(batch), as_json)
+        rows = [(r.token_ids, r.finish_reason) for r in run.result.rows]
+        metrics = run.result.metrics
 
     outputs = []
-    for row in result.tokens.tolist():
-        ids = text.completion(row, model.tokens.eos_ids)
+    for ids, reason in rows:
+        ids = text.completion(ids, model.tokens.eos_ids)
         outputs.append({"token_ids": ids, "text": text.decode(model, ids),
-                        "finish_reason": "eos" if len(ids) < len(row) else "length"})
+                        "finish_reason": reason if reason != "length" or len(ids) == settings.gen_length
+                        else "eos"})
     if as_json:
-        click.echo(json.dumps({"outputs": outputs, "metrics": result.metrics.to_dict()}))
-    else:
+        click.echo(json.dumps({"outputs": outputs, "metrics": metrics.to_dict()}))
+    elif not stream:
         for output in outputs:
             click.echo(output["text"] if output["text"] is not None else ",".join(map(str, output["token_ids"])))
+    if show_metrics:
+        console.print(metrics.table())
+
+
+def step_progress(console):
+    """A transient "denoising step N" display on a terminal; a no-op elsewhere."""
+    from contextlib import contextmanager
+
+    from rich.progress import Progress, SpinnerColumn, TextColumn
+
+    @contextmanager
+    def progress():
+        with Progress(SpinnerColumn(), TextColumn("denoising: step {task.completed}"), transient=True,
+                      console=console, disable=not console.is_terminal) as bar:
+            task = bar.add_task("steps", total=None)
+            yield lambda: bar.advance(task)
+    return progress()
+
+
+def print_update(model, update, batch_size, as_json):
+    """One streamed block: its text (prefixed by the row in a batch), or a JSON line."""
+    from dlmrt.runtime import text
+
+    chunk = text.decode(model, update.token_ids)
+    if as_json:
+        click.echo(json.dumps({"row": update.row, "block": update.block, "token_ids": update.token_ids,
+                               "text": chunk, "finish_reason": update.finish_reason}))
+        return
+    if chunk is None:
+        chunk = ",".join(map(str, update.token_ids)) + ("," if update.token_ids else "")
+    if batch_size == 1:
+        click.echo(chunk, nl=update.finish_reason is not None)
+    elif update.token_ids or update.finish_reason:
+        click.echo(f"[{update.row}] {chunk}" + (f" <{update.finish_reason}>" if update.finish_reason else ""))
 
 
 if __name__ == "__main__":

@@ -1,1 +1,16 @@
-"""The step loop and what drives it: the reference generate loop, backends, policies, metrics."""
+"""The step loop and what drives it: backends, decoding policies, KV cache, batching, metrics.
+
+    from dlmrt.runtime import Generator, GenerationSettings, Threshold
+    result = Generator(dlmrt.load()).generate(prompts, GenerationSettings(16, 8, Threshold(0.9)))
+
+The reference loop (`dlmrt.runtime.reference`) is the plain oracle the Generator is tested against.
+"""
+
+from dlmrt.runtime.generator import BlockUpdate, GenerationResult, GenerationStream, Generator, RowOutput
+from dlmrt.runtime.metrics import GenerationMetrics
+from dlmrt.runtime.policies import POLICIES, LLaDA2, Factor, Fixed, Policy, Residual, Threshold, make_policy
+from dlmrt.runtime.settings import CACHE_MODES, GenerationSettings
+
+__all__ = ["CACHE_MODES", "POLICIES", "BlockUpdate", "Factor", "Fixed", "GenerationMetrics",
+           "GenerationResult", "GenerationSettings", "GenerationStream", "Generator", "LLaDA2", "Policy",
+           "Residual", "RowOutput", "Threshold", "make_policy"]

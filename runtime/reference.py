@@ -35,69 +35,15 @@ from torch import Tensor
 from dlmrt.errors import ArgumentError
 from dlmrt.export.models import Denoiser
 from dlmrt.runtime.metrics import GenerationMetrics
-
-REMASKING = ("low_confidence", "random")
-
-
-@dataclass(frozen=True)
-class GenerationSettings:
-    gen_length: int = 128
-    block_length: int = 128
-    steps: int = 128
-    remasking: str = "low_confidence"
-    temperature: float = 0.0
-    cfg_scale: float = 0.0
-    seed: int = 0
-
-    @property
-    def num_blocks(self) -> int:
-        return self.gen_length // self.block_length
-
-    @property
-    def steps_per_block(self) -> int:
-        return self.steps // self.num_blocks
-
-    def validate(self) -> None:
-        for name in ("gen_length", "block_length", "steps"):
-            if getattr(self, name) <= 0:
-                raise ArgumentError(f"{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        if self.gen_length % self.block_length:
-            raise ArgumentError(f"gen-length ({self.gen_length}) must be divisible by block-length "
-                                f"({self.block_length})")
-        if self.steps % self.num_blocks:
-            raise ArgumentError(f"steps ({self.steps}) must be divisible by the number of blocks "
-                                f"(gen-length / block-length = {self.num_blocks})")
-        if self.remasking not in REMASKING:
-            raise ArgumentError(f"remasking must be one of {', '.join(REMASKING)}, got {self.remasking!r}")
-        if not self.temperature >= 0:
-            raise ArgumentError(f"temperature must be >= 0, got {self.temperature}")
-        if not self.cfg_scale >= 0:
-            raise ArgumentError(f"cfg-scale must be >= 0, got {self.cfg_scale}")
+from dlmrt.runtime.policies import Fixed, num_transfer_tokens
+from dlmrt.runtime.settings import GenerationSettings, check_request
+from dlmrt.runtime.torch_backend import spec_of
 
 
 @dataclass(frozen=True)
 class ReferenceOutput:
     tokens: Tensor  # [B, gen_length] the generated ids, prompt excluded
     metrics: GenerationMetrics
-
-
-def check_prompts(prompts: Sequence[Sequence[int]], model: Denoiser, gen_length: int) -> None:
-    """Reject prompts the model cannot take, before any compute."""
-    if not prompts:
-        raise ArgumentError("no prompt given")
-    for row, prompt in enumerate(prompts):
-        if len(prompt) == 0:
-            raise ArgumentError(f"prompt {row} is empty")
-        bad = [t for t in prompt if not 0 <= t < model.vocab_size]
-        if bad:
-            raise ArgumentError(f"prompt {row} has token ids outside the vocabulary [0, "
-                                f"{model.vocab_size}): {bad[:5]}")
-        if model.tokens.mask_id in prompt:
-            raise ArgumentError(f"prompt {row} contains the mask token id {model.tokens.mask_id} "
-                                f"(at position {list(prompt).index(model.tokens.mask_id)})")
-        if len(prompt) + gen_length > model.max_positions:
-            raise ArgumentError(f"prompt {row} ({len(prompt)} tokens) + gen-length ({gen_length}) "
-                                f"exceeds the model's context of {model.max_positions} positions")
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor]:
@@ -109,13 +55,6 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Ten
         ids[row, width - len(prompt):] = torch.tensor(list(prompt), dtype=torch.long)
         mask[row, width - len(prompt):] = True
     return ids, mask
-
-
-def num_transfer_tokens(masked: Tensor, steps: int) -> Tensor:
-    """`[B, steps]` commits per step: `masked // steps`, plus one in the first `masked % steps` steps."""
-    base, remainder = masked // steps, masked % steps
-    step = torch.arange(steps, device=masked.device)
-    return base[:, None] + (step[None, :] < remainder[:, None]).long()
 
 
 def add_gumbel_noise(logits: Tensor, temperature: float, generator: torch.Generator) -> Tensor:
@@ -130,8 +69,13 @@ def add_gumbel_noise(logits: Tensor, temperature: float, generator: torch.Genera
 @torch.no_grad()
 def generate(model: Denoiser, prompts: Sequence[Sequence[int]], settings: GenerationSettings,
              on_step: Callable[[], None] | None = None) -> ReferenceOutput:
-    settings.validate()
-    check_prompts(prompts, model, settings.gen_length)
+    """LLaDA's generate on `settings` with a `Fixed` policy and no cache."""
+    policy = settings.policy
+    if not isinstance(policy, Fixed) or settings.cache != "none":
+        raise ArgumentError("the reference loop runs the fixed policy without a cache; use "
+                            "dlmrt.runtime.Generator for other policies and cache modes")
+    check_request(spec_of(model), prompts, settings)
+    steps_per_block = policy.block_steps(settings)
     started = time.perf_counter()
     mask_id = model.tokens.mask_id
     device = model.device
@@ -152,13 +96,14 @@ def generate(model: Denoiser, prompts: Sequence[Sequence[int]], settings: Genera
         positions, key_mask = positions.repeat(2, 1), key_mask.repeat(2, 1)
 
     residual = None
-    nfe = 0
+    nfe, forward_s = 0, 0.0
     for block in range(settings.num_blocks):
         start = prompt_width + block * settings.block_length
         end = start + settings.block_length
-        schedule = num_transfer_tokens((x[:, start:end] == mask_id).sum(1), settings.steps_per_block)
-        for step in range(settings.steps_per_block):
+        schedule = num_transfer_tokens((x[:, start:end] == mask_id).sum(1), steps_per_block)
+        for step in range(steps_per_block):
             is_masked = x == mask_id
+            tick = time.perf_counter()
             if guided:
                 unconditional = x.masked_fill(is_prompt, mask_id)
                 out = model.denoise(torch.cat((x, unconditional)), positions=positions, key_mask=key_mask,
@@ -171,9 +116,10 @@ def generate(model: Denoiser, prompts: Sequence[Sequence[int]], settings: Genera
                 logits = out.logits.float()
             residual = out.residual
             nfe += 1
+            forward_s += time.perf_counter() - tick
 
             x0 = add_gumbel_noise(logits, settings.temperature, generator).argmax(-1)
-            if settings.remasking == "low_confidence":
+            if policy.remasking == "low_confidence":
                 x0_p = F.softmax(logits, dim=-1).gather(-1, x0[..., None]).squeeze(-1).to(torch.float64)
             else:
                 x0_p = torch.rand(x0.shape, dtype=torch.float64, generator=generator, device=device)
@@ -181,14 +127,15 @@ def generate(model: Denoiser, prompts: Sequence[Sequence[int]], settings: Genera
             x0 = torch.where(is_masked, x0, x)
             confidence = torch.where(is_masked, x0_p, float("-inf"))
             commit = torch.zeros_like(is_masked)
-            for row in range(batch):
-                chosen = confidence[row].topk(int(schedule[row, step])).indices
-                commit[row, chosen] = True
+            for row in range(batch):  # top-k, ties broken by position (LLaDA's topk leaves them open)
+                ranked = confidence[row].sort(descending=True, stable=True).indices
+                commit[row, ranked[:int(schedule[row, step])]] = True
             x[commit] = x0[commit]
             if on_step is not None:
                 on_step()
 
-    metrics = GenerationMetrics(nfe=nfe, generated_tokens=batch * settings.gen_length,
+    metrics = GenerationMetrics(nfe=nfe, sequence_forwards=nfe * batch,
+                                generated_tokens=batch * settings.gen_length,
                                 prompt_tokens=int(prompt_mask.sum()), batch_size=batch,
-                                latency_s=time.perf_counter() - started)
+                                latency_s=time.perf_counter() - started, backend_s=forward_s)
     return ReferenceOutput(tokens=x[:, prompt_width:].cpu(), metrics=metrics)

@@ -32,7 +32,7 @@ from dlmrt import atomic, tasks
 from dlmrt.evaluation import exact_match
 from dlmrt.export import checkpoint, models
 from dlmrt.export.models import SpecialTokens
-from dlmrt.runtime.reference import GenerationSettings
+from dlmrt.runtime import Fixed, GenerationSettings
 
 GEN_LENGTH = 16
 BLOCK_LENGTH = 8
@@ -133,7 +133,7 @@ def train(args) -> dict:
 
 
 def evaluate(model, per_task: int, block_length: int) -> dict[str, float]:
-    settings = GenerationSettings(gen_length=GEN_LENGTH, block_length=block_length, steps=GEN_LENGTH)
+    settings = GenerationSettings(gen_length=GEN_LENGTH, block_length=block_length, policy=Fixed(GEN_LENGTH))
     held_out = tasks.examples("test", per_task, seed=1234)
     with Progress(TextColumn(f"exact-match, block {block_length}"), BarColumn(), MofNCompleteColumn()) as p:
         bar = p.add_task("eval", total=len(held_out))

@@ -11,8 +11,9 @@ from safetensors.torch import load_file, save_file
 import dlmrt
 from dlmrt.errors import ArgumentError, CheckpointError, UnsupportedFeatureError
 from dlmrt.export import checkpoint
-from dlmrt.runtime import reference
-from helpers import LLADA, random_model
+from dlmrt.runtime import (Factor, Fixed, GenerationSettings, Generator, LLaDA2, Residual, Threshold,
+                           make_policy, reference)
+from helpers import LLADA, LLADA2, random_model
 
 
 @pytest.fixture
@@ -144,15 +145,46 @@ def model():
 
 
 @pytest.mark.parametrize("settings, expected", [
-    (dict(gen_length=10, block_length=4, steps=10), r"gen-length \(10\) must be divisible by block-length \(4\)"),
-    (dict(gen_length=8, block_length=4, steps=5), r"steps \(5\) must be divisible by the number of blocks"),
-    (dict(gen_length=0, block_length=4, steps=4), "gen-length must be positive"),
-    (dict(gen_length=8, block_length=8, steps=8, remasking="greedy"), "remasking must be one of"),
-    (dict(gen_length=8, block_length=8, steps=8, temperature=-1.0), "temperature must be >= 0"),
+    (dict(gen_length=10, block_length=4), r"gen-length \(10\) must be divisible by block-length \(4\)"),
+    (dict(gen_length=8, block_length=4, policy=Fixed(5)), r"steps \(5\) must be divisible by the number of blocks"),
+    (dict(gen_length=0, block_length=4), "gen-length must be positive"),
+    (dict(gen_length=8, block_length=0), "block-length must be positive"),
+    (dict(gen_length=8, block_length=-8), "block-length must be positive"),
+    (dict(gen_length=8, block_length=8, policy=Fixed(8, "greedy")), "remasking must be one of"),
+    (dict(gen_length=8, block_length=8, temperature=-1.0), "temperature must be >= 0"),
 ])
 def test_bad_generation_settings(model, settings, expected):
+    for generate in (reference.generate, lambda m, p, s: Generator(m).generate(p, s)):
+        with pytest.raises(ArgumentError, match=expected):
+            generate(model, [[5, 6]], GenerationSettings(**settings))
+
+
+@pytest.mark.parametrize("settings, expected", [
+    (dict(policy=Threshold(0.0)), r"threshold must lie in \(0, 1\], got 0.0"),
+    (dict(policy=Threshold(1.5)), r"threshold must lie in \(0, 1\], got 1.5"),
+    (dict(policy=Threshold(float("nan"))), r"threshold must lie in \(0, 1\], got nan"),
+    (dict(policy=LLaDA2(threshold=-0.1)), r"threshold must lie in \(0, 1\]"),
+    (dict(policy=Residual(Threshold(2.0))), r"threshold must lie in \(0, 1\]"),
+    (dict(policy=Factor(0.0)), "factor must be positive, got 0.0"),
+    (dict(policy=Threshold(0.9, "logit")), "confidence must be one of prob, margin, entropy, got 'logit'"),
+    (dict(max_block_steps=0), "the step budget per block must be positive, got 0"),
+    (dict(cache="full"), "cache must be one of none, prefix, dual, got 'full'"),
+    (dict(policy=Residual()), "policy 'residual' needs an ORL model"),
+])
+def test_bad_policy_settings(model, settings, expected):
     with pytest.raises(ArgumentError, match=expected):
-        reference.generate(model, [[5, 6]], reference.GenerationSettings(**settings))
+        Generator(model).generate([[5, 6]], GenerationSettings(8, 8, **settings))
+
+
+def test_dual_cache_is_refused_for_block_causal_models():
+    with pytest.raises(ArgumentError, match="cache mode 'dual' does not apply to llada2_moe: it is block-causal"):
+        Generator(random_model(LLADA2)).generate([[5, 6]], GenerationSettings(8, 8, cache="dual"))
+
+
+def test_unknown_policy_name():
+    with pytest.raises(ArgumentError, match=r"unknown policy 'greedy' \(known: fixed, threshold, factor, llada2, "
+                                            r"residual\)"):
+        make_policy("greedy")
 
 
 @pytest.mark.parametrize("prompts, expected", [
@@ -161,11 +193,13 @@ def test_bad_generation_settings(model, settings, expected):
     ([[]], "prompt 0 is empty"),
     ([], "no prompt given"),
     ([[5, 2]], "prompt 0 contains the mask token id 2"),
-    ([[5] * 60], r"prompt 0 \(60 tokens\) \+ gen-length \(8\) exceeds the model's context of 64"),
+    ([[5] * 60], r"prompt 0 \(60 tokens\) \+ gen-length \(8\) needs 68 positions, more than the model's "
+                 r"context of 64"),
 ])
 def test_bad_prompts(model, prompts, expected):
-    with pytest.raises(ArgumentError, match=expected):
-        reference.generate(model, prompts, reference.GenerationSettings(8, 8, 8))
+    for generate in (reference.generate, lambda m, p, s: Generator(m).generate(p, s)):
+        with pytest.raises(ArgumentError, match=expected):
+            generate(model, prompts, GenerationSettings(8, 8))
 
 
 def test_forward_rejects_ids_outside_vocabulary(model):

@@ -7,7 +7,8 @@ import torch
 
 from dlmrt.export.models import DenoiserOutput, Residual
 from dlmrt.runtime import reference
-from dlmrt.runtime.reference import GenerationSettings
+from dlmrt.runtime import Fixed, GenerationSettings
+from dlmrt.runtime.policies import num_transfer_tokens
 from helpers import LLADA, LLADA2, ORL, TOKENS, config, random_model
 
 MASK = TOKENS.mask_id
@@ -19,7 +20,9 @@ class CraftedDenoiser:
     Records the canvas of every call, so tests can count what each step committed.
     """
 
-    vocab_size, max_positions, tokens, device = 40, 128, TOKENS, torch.device("cpu")
+    vocab_size, max_positions, tokens, device, dtype = 40, 128, TOKENS, torch.device("cpu"), torch.float32
+    name, block_causal, residual_config = "crafted", False, None
+    hidden_size = num_layers = num_kv_heads = head_dim = 1
 
     def __init__(self, confidence=None):
         self.canvases = []
@@ -52,7 +55,7 @@ def commits_per_step(model, block_start, block_length):
 def test_tokens_committed_per_step_follow_the_llada_schedule(gen_length, block_length, steps, expected):
     model = CraftedDenoiser()
     prompt = [5, 6, 7]
-    out = reference.generate(model, [prompt], GenerationSettings(gen_length, block_length, steps))
+    out = reference.generate(model, [prompt], GenerationSettings(gen_length, block_length, Fixed(steps)))
     steps_per_block = steps // (gen_length // block_length)
     for block, counts in enumerate(expected):
         start = len(prompt) + block * block_length
@@ -65,14 +68,14 @@ def test_tokens_committed_per_step_follow_the_llada_schedule(gen_length, block_l
 
 
 def test_schedule_function_matches_hand_computed_values():
-    got = reference.num_transfer_tokens(torch.tensor([8, 5, 0, 13]), 3)
+    got = num_transfer_tokens(torch.tensor([8, 5, 0, 13]), 3)
     assert got.tolist() == [[3, 3, 2], [2, 2, 1], [0, 0, 0], [5, 4, 4]]
 
 
 def test_most_confident_positions_are_committed_first_and_never_beyond_the_block():
     confidence = torch.tensor([9.0, 9, 9, 1, 5, 3, 4, 2, 8, 8, 8, 8])  # prompt of 3, then two blocks of 4 + ...
     model = CraftedDenoiser(confidence)
-    reference.generate(model, [[5, 6, 7]], GenerationSettings(gen_length=8, block_length=4, steps=8))
+    reference.generate(model, [[5, 6, 7]], GenerationSettings(gen_length=8, block_length=4, policy=Fixed(8)))
     order = []
     for before, after in zip(model.canvases, model.canvases[1:] + [None]):
         if after is None:
@@ -89,7 +92,7 @@ def test_most_confident_positions_are_committed_first_and_never_beyond_the_block
 def test_batched_left_padded_prompts_match_each_prompt_alone(base, cfg_scale):
     model = random_model(base)
     prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17]]
-    settings = GenerationSettings(gen_length=8, block_length=4, steps=8, cfg_scale=cfg_scale)
+    settings = GenerationSettings(gen_length=8, block_length=4, policy=Fixed(8), cfg_scale=cfg_scale)
     batched = reference.generate(model, prompts, settings).tokens
     for row, prompt in enumerate(prompts):
         alone = reference.generate(model, [prompt], settings).tokens
@@ -101,7 +104,7 @@ def test_sampling_is_reproducible_with_a_seed():
     model = random_model(LLADA)
     prompts = [[5, 6, 7], [8, 9]]
     for remasking in ("low_confidence", "random"):
-        runs = [reference.generate(model, prompts, GenerationSettings(12, 4, 6, remasking=remasking,
+        runs = [reference.generate(model, prompts, GenerationSettings(12, 4, Fixed(6, remasking),
                                                                       temperature=1.0, seed=seed)).tokens
                 for seed in (3, 3, 4)]
         assert torch.equal(runs[0], runs[1])
@@ -111,7 +114,7 @@ def test_sampling_is_reproducible_with_a_seed():
 def test_greedy_decoding_commits_the_argmax():
     """At temperature 0 with one token per step, each committed token is the argmax of its step."""
     model = random_model(LLADA)
-    settings = GenerationSettings(gen_length=6, block_length=6, steps=6)
+    settings = GenerationSettings(gen_length=6, block_length=6, policy=Fixed(6))
     out = reference.generate(model, [[5, 6, 7]], settings).tokens[0]
     canvas = torch.tensor([[5, 6, 7] + [MASK] * 6])
     for _ in range(6):
@@ -126,7 +129,7 @@ def test_greedy_decoding_commits_the_argmax():
 def test_classifier_free_guidance_mixes_conditional_and_unconditional_logits():
     model = random_model(LLADA)
     prompt = [5, 6, 7]
-    settings = GenerationSettings(gen_length=4, block_length=4, steps=4, cfg_scale=2.0)
+    settings = GenerationSettings(gen_length=4, block_length=4, policy=Fixed(4), cfg_scale=2.0)
     out = reference.generate(model, [prompt], settings).tokens[0]
     canvas = torch.tensor([prompt + [MASK] * 4])
     for _ in range(4):
@@ -160,7 +163,7 @@ class Spy:
 @pytest.mark.parametrize("cfg_scale", [0.0, 1.0])
 def test_orl_models_carry_the_residual_from_step_to_step(cfg_scale):
     model = Spy(random_model(config(LLADA, residual_context=ORL)))
-    reference.generate(model, [[5, 6, 7]], GenerationSettings(8, 4, 8, cfg_scale=cfg_scale))
+    reference.generate(model, [[5, 6, 7]], GenerationSettings(8, 4, Fixed(8), cfg_scale=cfg_scale))
     assert model.given[0] is None
     for given, previous in zip(model.given[1:], model.returned):
         assert isinstance(given, Residual) and given is previous
@@ -174,7 +177,7 @@ def test_orl_residual_changes_the_decoding():
         base.model.transformer["ff_out"].weight.mul_(10)
         orl.residual_adapter().output_layer().weight.mul_(10)
     orl.load_state_dict(base.state_dict(), strict=False)
-    settings = GenerationSettings(gen_length=12, block_length=12, steps=12)
+    settings = GenerationSettings(gen_length=12, block_length=12, policy=Fixed(12))
     prompts = [[5, 6, 7], [8, 9, 10, 11]]
     with_residual = reference.generate(orl, prompts, settings).tokens
     with torch.no_grad():

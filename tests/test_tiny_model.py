@@ -12,7 +12,7 @@ import pytest
 import dlmrt
 from dlmrt import tasks
 from dlmrt.evaluation import exact_match
-from dlmrt.runtime.reference import GenerationSettings
+from dlmrt.runtime import Fixed, GenerationSettings
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +32,7 @@ def test_exact_match_on_held_out_prompts(tiny):
     """One token per step, as the training report measures (on other held-out prompts)."""
     held_out = tasks.examples("test", per_task=40, seed=7)
     assert all(tasks.split_of(e.prompt) == "test" for e in held_out)
-    scores = exact_match(tiny, held_out, GenerationSettings(gen_length=16, block_length=8, steps=16))
+    scores = exact_match(tiny, held_out, GenerationSettings(gen_length=16, block_length=8, policy=Fixed(16)))
     assert min(scores.values()) >= 0.9, scores
 
 

@@ -113,7 +113,8 @@ class Denoiser(nn.Module, ABC):
     def denoise(self, input_ids: Tensor, *, positions: Tensor | None = None,
                 key_mask: Tensor | None = None, past: PastKV | None = None,
                 residual: Residual | None = None, return_kv: bool = False,
-                block_length: int | None = None) -> DenoiserOutput:
+                block_length: int | None = None,
+                logits_range: tuple[int, int] | None = None) -> DenoiserOutput:
         """One denoising forward.
 
         positions: `[B, T]`; by default each row counts its unpadded tokens from 0.
@@ -121,6 +122,8 @@ class Denoiser(nn.Module, ABC):
         past: a cached prefix; positions are then required.
         residual: the last step's residual (ORL models); None before the first step.
         block_length: the block-causal grid, for block-diffusion families.
+        logits_range: return logits only for window positions [start, end) (the next residual
+            of an ORL model still covers the whole window).
         """
         batch, length = input_ids.shape
         prefix = 0 if past is None else past.kv.shape[4]
@@ -145,10 +148,11 @@ class Denoiser(nn.Module, ABC):
             x, kv = block(x, cos, sin, mask, layer_past)
             if return_kv:
                 window_kv.append(torch.stack(kv))
+        kv = torch.stack(window_kv) if return_kv else None
+        start, end = logits_range or (0, length)
+        if self.residual_config is None:
+            return DenoiserOutput(self.head(x[:, start:end]), kv, None)
         logits = self.head(x)
-
-        next_residual = None
-        if self.residual_config is not None:
-            next_residual = residual_context.next_residual(
-                logits, self.input_embedding().weight, self.residual_config.topk)
-        return DenoiserOutput(logits, torch.stack(window_kv) if return_kv else None, next_residual)
+        next_residual = residual_context.next_residual(
+            logits, self.input_embedding().weight, self.residual_config.topk)
+        return DenoiserOutput(logits[:, start:end], kv, next_residual)

@@ -1,0 +1,142 @@
+"""`dlmrt::ParallelUnmask`: one parallel unmasking step, written once in torch.
+
+Given the logits of a block's positions, the block's current ids and a few
+per-row policy parameters, it picks a candidate token for every position,
+scores it, and commits some of the still-masked positions:
+
+    x0      = argmax(logits)                     (temperature 0)
+            = argmax(exp(logits) / (-log u)^T)   (temperature T > 0, LLaDA's Gumbel-max, float64)
+    conf    = p(x0)                 "prob"     (LLaDA low_confidence, Fast-dLLM, LLaDA2)
+            = p(top1) - p(top2)     "margin"   (Dream)
+            = 1 - H(p) / log V      "entropy"  (Dream's negative entropy, rescaled into [0, 1])
+            = u                     "random"   (LLaDA random remasking)
+    k       = min(masked, max(count, #{conf >= threshold}, factor_prefix))
+    commit  = the k most confident masked positions (ties: the earlier position first)
+
+`factor_prefix` is Fast-dLLM's factor rule: the longest prefix of the
+confidence-sorted masked positions with `(n + 1) * (1 - c_n) < factor`
+(n = 1, 2, ...); a factor of 0 turns it off. Every policy is a setting of
+(count, threshold, factor): the LLaDA schedule is `count = n_k, threshold = inf`;
+Fast-dLLM's threshold rule is `count = 1, threshold = tau`; LLaDA2's rule is
+`count = n_k` with a strict `>` threshold (pass `strictly_above(tau)`).
+
+The random numbers are a pure function of (row seed, row step, position,
+vocabulary index), a counter-based hash, so sampling does not depend on the
+batch, the cache mode, or the device, and a graph can compute the same bits.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+CONFIDENCE_MEASURES = ("prob", "margin", "entropy", "random")
+
+_MASK32 = 0xFFFFFFFF
+# Multipliers below 2**31, so that a 32-bit value times one stays inside int64.
+_MULTIPLIERS = (0x7FEB352D, 0x2C1B3C6D)
+# Vocabulary index used to draw the "random" confidence, beyond any real token.
+_RANDOM_CONFIDENCE_SALT = 0x5BD1E995
+
+
+class UnmaskParams(NamedTuple):
+    """Per-row policy parameters, each `[B]`."""
+
+    count: Tensor  # int64: commit at least this many masked positions (capped at the masked count)
+    threshold: Tensor  # float32: also commit every masked position with confidence >= threshold
+    factor: Tensor  # float32: also commit Fast-dLLM's factor prefix; 0 turns it off
+    temperature: Tensor  # float32: 0 is greedy
+    seed: Tensor  # int64
+    step: Tensor  # int64: the row's step counter, so each step draws fresh numbers
+
+
+class UnmaskResult(NamedTuple):
+    ids: Tensor  # [B, W] the block's ids after committing
+    confidence: Tensor  # [B, W] float32, -inf where the position was not masked
+    commit: Tensor  # [B, W] bool, the positions committed by this step
+    committed: Tensor  # [B] int64, how many
+
+
+def strictly_above(threshold: float) -> float:
+    """The float32 threshold `t` with `c >= t` exactly when `c > threshold` (for float32 c)."""
+    value = torch.tensor(threshold, dtype=torch.float32)
+    return float(torch.nextafter(value, torch.tensor(math.inf)))
+
+
+def _mix32(x: Tensor) -> Tensor:
+    """A 32-bit integer finalizer (xorshift-multiply) on int64 tensors holding values < 2**32."""
+    x = x ^ (x >> 16)
+    x = (x * _MULTIPLIERS[0]) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * _MULTIPLIERS[1]) & _MASK32
+    return x ^ (x >> 16)
+
+
+def uniform(seed: Tensor, step: Tensor, positions: Tensor, index: Tensor) -> Tensor:
+    """float64 numbers in (0, 1), `[B, W, *index.shape]`, from (seed [B], step [B], positions [B, W])."""
+    h = _mix32(seed & _MASK32)
+    h = _mix32(h ^ (step & _MASK32))
+    h = _mix32(h[:, None] ^ (positions & _MASK32))
+    h = _mix32(h.view(*h.shape, *([1] * index.dim())) ^ index)
+    return (h.to(torch.float64) + 0.5) / 2.0**32
+
+
+def candidates(logits: Tensor, params: UnmaskParams, positions: Tensor) -> Tensor:
+    """x0 `[B, W]`: the argmax, or a Gumbel-max sample for rows with temperature > 0."""
+    temperature = params.temperature
+    if not bool((temperature > 0).any()):
+        return logits.argmax(-1)
+    vocab = torch.arange(logits.shape[-1], device=logits.device)
+    noise = uniform(params.seed, params.step, positions, vocab)
+    t = temperature.to(torch.float64)[:, None, None]
+    scores = logits.to(torch.float64).exp() / (-torch.log(noise)) ** t
+    return torch.where(t > 0, scores, logits.to(torch.float64)).argmax(-1)
+
+
+def confidence_of(logits: Tensor, x0: Tensor, measure: str, params: UnmaskParams,
+                  positions: Tensor) -> Tensor:
+    """float32 `[B, W]` confidence of each candidate."""
+    if measure == "random":
+        salt = torch.tensor(_RANDOM_CONFIDENCE_SALT, device=logits.device)
+        return uniform(params.seed, params.step, positions, salt).to(torch.float32)
+    logp = F.log_softmax(logits, dim=-1)
+    p = logp.exp()
+    if measure == "prob":
+        return p.gather(-1, x0[..., None]).squeeze(-1)
+    if measure == "margin":
+        top = p.topk(2, dim=-1).values
+        return top[..., 0] - top[..., 1]
+    if measure == "entropy":
+        entropy = -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1)
+        return 1.0 - entropy / math.log(logits.shape[-1])
+    raise ValueError(f"unknown confidence measure {measure!r} (known: {', '.join(CONFIDENCE_MEASURES)})")
+
+
+def commit_count(ranked: Tensor, masked: Tensor, params: UnmaskParams) -> Tensor:
+    """k `[B]`: how many masked positions to commit, from the confidences sorted in descending
+    order (`-inf` for unmasked positions, which sort last) and the masked count `[B]`."""
+    above = (ranked >= params.threshold[:, None]).sum(-1)
+    n = torch.arange(1, ranked.shape[-1] + 1, device=ranked.device)
+    accepted = (n + 1) * (1 - ranked) < params.factor[:, None]
+    factor_prefix = accepted.long().cumprod(-1).sum(-1)
+    wanted = torch.maximum(params.count, torch.maximum(above, factor_prefix))
+    return torch.minimum(masked, wanted)
+
+
+def parallel_unmask(logits: Tensor, ids: Tensor, positions: Tensor, params: UnmaskParams, *,
+                    mask_id: int, confidence: str = "prob") -> UnmaskResult:
+    """One step: logits `[B, W, V]` (float32), ids and positions `[B, W]`, params `[B]` each."""
+    is_masked = ids == mask_id
+    x0 = candidates(logits, params, positions)
+    conf = confidence_of(logits, x0, confidence, params, positions)
+    conf = torch.where(is_masked, conf, float("-inf"))
+    ranked, order = conf.sort(dim=-1, descending=True, stable=True)
+    k = commit_count(ranked, is_masked.sum(-1), params)
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(ids.shape[-1], device=ids.device)
+                                            .expand_as(order))
+    commit = (rank < k[:, None]) & is_masked
+    return UnmaskResult(torch.where(commit, x0, ids), conf, commit, k)

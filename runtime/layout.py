@@ -1,0 +1,84 @@
+"""Where each row's prompt and generated tokens sit on the shared canvas of a batch.
+
+Bidirectional models (LLaDA) use blocks relative to the prompt, as LLaDA's
+generate does: prompts are left-padded to a common width P and the blocks tile
+[P, P + gen_length).
+
+Block-causal models (LLaDA2.x) use the absolute grid of their attention: a
+block is `position // block_length`, so the prompt's tail shares the first
+generated block and blocks wholly inside the prompt are never denoised; a row
+denoises up to the end of the block that holds its last requested token, as
+LLaDA2.x's generate does. In a batch, each row is shifted by a multiple of the
+block length so that every row's first generated block is the same canvas
+block; the canvas positions a row does not use are padding.
+
+Positions count each row's real tokens from 0, so a row decodes as it would alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class Layout:
+    ids: Tensor  # [B, L] pads, prompt, masks
+    key_mask: Tensor  # [B, L] False on padding
+    positions: Tensor  # [B, L]
+    prompt_lengths: Tensor  # [B]
+    output_start: Tensor  # [B] canvas index of each row's first generated token
+    first_block_start: int
+    num_blocks: int
+    block_length: int
+
+    def block(self, index: int) -> tuple[int, int]:
+        start = self.first_block_start + index * self.block_length
+        return start, start + self.block_length
+
+    @property
+    def length(self) -> int:
+        return self.ids.shape[1]
+
+
+def _canvas(rows: Sequence[tuple[int, Sequence[int], int]], length: int, pad_id: int,
+            mask_id: int) -> tuple[Tensor, Tensor]:
+    """Ids and key mask from (prompt start, prompt, masked count) per row."""
+    ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
+    key_mask = torch.zeros((len(rows), length), dtype=torch.bool)
+    for row, (start, prompt, masked) in enumerate(rows):
+        end = start + len(prompt)
+        ids[row, start:end] = torch.tensor(list(prompt), dtype=torch.long)
+        ids[row, end:end + masked] = mask_id
+        key_mask[row, start:end + masked] = True
+    return ids, key_mask
+
+
+def build(prompts: Sequence[Sequence[int]], gen_length: int, block_length: int, *, block_causal: bool,
+          pad_id: int, mask_id: int) -> Layout:
+    lengths = [len(p) for p in prompts]
+    if block_causal:
+        first_block = max(n // block_length for n in lengths)
+        blocks = [-(-(n % block_length + gen_length) // block_length) for n in lengths]
+        num_blocks = max(blocks)
+        shifts = [(first_block - n // block_length) * block_length for n in lengths]
+        rows = [(shift, prompt, nb * block_length - len(prompt) % block_length)
+                for shift, prompt, nb in zip(shifts, prompts, blocks)]
+        first_block_start = first_block * block_length
+        output_start = [first_block_start + n % block_length for n in lengths]
+        length = first_block_start + num_blocks * block_length
+    else:
+        width = max(lengths)
+        rows = [(width - len(prompt), prompt, gen_length) for prompt in prompts]
+        first_block_start, num_blocks = width, gen_length // block_length
+        output_start = [width] * len(prompts)
+        length = width + gen_length
+    ids, key_mask = _canvas(rows, length, pad_id, mask_id)
+    positions = (key_mask.long().cumsum(-1) - 1).clamp(min=0)
+    return Layout(ids=ids, key_mask=key_mask, positions=positions,
+                  prompt_lengths=torch.tensor(lengths, dtype=torch.long),
+                  output_start=torch.tensor(output_start, dtype=torch.long),
+                  first_block_start=first_block_start, num_blocks=num_blocks, block_length=block_length)

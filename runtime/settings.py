@@ -1,0 +1,87 @@
+"""What a generate call is asked to do: lengths, policy, sampling, cache, stopping."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from dlmrt.errors import ArgumentError
+from dlmrt.runtime.backend import ModelSpec
+from dlmrt.runtime.policies import Fixed, Policy, Residual
+
+CACHE_MODES = ("none", "prefix", "dual")
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    gen_length: int = 128
+    block_length: int = 128
+    policy: Policy = field(default_factory=Fixed)
+    temperature: float = 0.0
+    cfg_scale: float = 0.0
+    seed: int = 0
+    # none: full recompute each step; prefix: prefix K/V reused within a block (for block-causal
+    # models, the exact block cache); dual: prefix and suffix K/V reused, only the block recomputed.
+    cache: str = "none"
+    # Decode the full length even after end-of-sequence, as the research scripts do.
+    ignore_eos: bool = False
+    # Cap on the steps of one block; the last allowed step commits whatever is left.
+    max_block_steps: int | None = None
+
+    @property
+    def num_blocks(self) -> int:
+        return self.gen_length // self.block_length
+
+    def block_steps(self) -> int:
+        steps = self.policy.block_steps(self)
+        return steps if self.max_block_steps is None else min(steps, self.max_block_steps)
+
+    def validate(self) -> None:
+        for name in ("gen_length", "block_length"):
+            if getattr(self, name) <= 0:
+                raise ArgumentError(f"{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.gen_length % self.block_length:
+            raise ArgumentError(f"gen-length ({self.gen_length}) must be divisible by block-length "
+                                f"({self.block_length})")
+        if self.max_block_steps is not None and self.max_block_steps <= 0:
+            raise ArgumentError(f"the step budget per block must be positive, got {self.max_block_steps}")
+        if not isinstance(self.policy, Policy):
+            raise ArgumentError(f"policy must be a dlmrt.runtime.policies.Policy, got {self.policy!r}")
+        self.policy.validate(self)
+        if not self.temperature >= 0:
+            raise ArgumentError(f"temperature must be >= 0, got {self.temperature}")
+        if not self.cfg_scale >= 0:
+            raise ArgumentError(f"cfg-scale must be >= 0, got {self.cfg_scale}")
+        if self.cache not in CACHE_MODES:
+            raise ArgumentError(f"cache must be one of {', '.join(CACHE_MODES)}, got {self.cache!r}")
+
+
+def check_request(spec: ModelSpec, prompts: Sequence[Sequence[int]], settings: GenerationSettings) -> None:
+    """Every check that can fail, before any compute."""
+    settings.validate()
+    if settings.cache == "dual" and spec.block_causal:
+        raise ArgumentError(f"cache mode 'dual' does not apply to {spec.name}: it is block-causal, so no "
+                            f"block sees what follows it and there is no suffix to cache; --cache prefix "
+                            f"is already its exact block cache")
+    if isinstance(settings.policy, Residual) and not spec.has_residual:
+        raise ArgumentError(f"policy 'residual' needs an ORL model (a residual_context entry in "
+                            f"config.json); {spec.name} has none: use --policy threshold or factor")
+    if not prompts:
+        raise ArgumentError("no prompt given")
+    for row, prompt in enumerate(prompts):
+        if len(prompt) == 0:
+            raise ArgumentError(f"prompt {row} is empty")
+        bad = [t for t in prompt if not 0 <= t < spec.vocab_size]
+        if bad:
+            raise ArgumentError(f"prompt {row} has token ids outside the vocabulary [0, "
+                                f"{spec.vocab_size}): {bad[:5]}")
+        if spec.mask_id in prompt:
+            raise ArgumentError(f"prompt {row} contains the mask token id {spec.mask_id} "
+                                f"(at position {list(prompt).index(spec.mask_id)})")
+        needed = len(prompt) + settings.gen_length
+        if spec.block_causal:  # denoising runs to the end of the last block
+            needed = -(-needed // settings.block_length) * settings.block_length
+        if needed > spec.max_positions:
+            raise ArgumentError(f"prompt {row} ({len(prompt)} tokens) + gen-length ({settings.gen_length}) "
+                                f"needs {needed} positions, more than the model's context of "
+                                f"{spec.max_positions}")
