@@ -4,7 +4,7 @@ Given the logits of a block's positions, the block's current ids and a few
 per-row policy parameters, it picks a candidate token for every position,
 scores it, and commits some of the still-masked positions:
 
-    x0      = argmax(logits)                     (temperature 0)
+    x0      = argmax(logits)                     (temperature 0; never the mask token)
             = argmax(exp(logits) / (-log u)^T)   (temperature T > 0, LLaDA's Gumbel-max, float64)
     conf    = p(x0)                 "prob"     (LLaDA low_confidence, Fast-dLLM, LLaDA2)
             = p(top1) - p(top2)     "margin"   (Dream)
@@ -85,8 +85,10 @@ def uniform(seed: Tensor, step: Tensor, positions: Tensor, index: Tensor) -> Ten
     return (h.to(torch.float64) + 0.5) / 2.0**32
 
 
-def candidates(logits: Tensor, params: UnmaskParams, positions: Tensor) -> Tensor:
-    """x0 `[B, W]`: the argmax, or a Gumbel-max sample for rows with temperature > 0."""
+def candidates(logits: Tensor, params: UnmaskParams, positions: Tensor, mask_id: int) -> Tensor:
+    """x0 `[B, W]`: the argmax, or a Gumbel-max sample for rows with temperature > 0. The mask token
+    is never a candidate: committing it would leave the position masked."""
+    logits = logits.index_fill(-1, torch.tensor([mask_id], device=logits.device), float("-inf"))
     temperature = params.temperature
     if not bool((temperature > 0).any()):
         return logits.argmax(-1)
@@ -131,7 +133,7 @@ def parallel_unmask(logits: Tensor, ids: Tensor, positions: Tensor, params: Unma
                     mask_id: int, confidence: str = "prob") -> UnmaskResult:
     """One step: logits `[B, W, V]` (float32), ids and positions `[B, W]`, params `[B]` each."""
     is_masked = ids == mask_id
-    x0 = candidates(logits, params, positions)
+    x0 = candidates(logits, params, positions, mask_id)
     conf = confidence_of(logits, x0, confidence, params, positions)
     conf = torch.where(is_masked, conf, float("-inf"))
     ranked, order = conf.sort(dim=-1, descending=True, stable=True)

@@ -200,6 +200,7 @@ class _Run:
             yield from self._end_block(block, end)
             if not len(self.rows):
                 return
+        yield from self._finish_all("length")  # only rows a step budget left unfinished get here
 
     def _step(self, planned: _PlannedStep) -> Tensor:
         tick = time.perf_counter()

@@ -9,7 +9,7 @@ ML-GSAI/LLaDA's `generate` step by step:
   `steps / num_blocks` steps each;
 - at each step of a block, each row commits `masked // steps` of the block's
   masked positions, plus one during the first `masked % steps` steps;
-- x0 is the argmax of the logits, with Gumbel noise `exp(l) / (-log u)^T` in
+- x0 is the argmax of the logits (never the mask token), with Gumbel noise `exp(l) / (-log u)^T` in
   float64 when the temperature T > 0; confidence is softmax(logits)[x0]
   (`low_confidence`) or uniform noise (`random`); positions after the current
   block get -inf; the most confident masked positions are committed;
@@ -118,7 +118,8 @@ def generate(model: Denoiser, prompts: Sequence[Sequence[int]], settings: Genera
             nfe += 1
             forward_s += time.perf_counter() - tick
 
-            x0 = add_gumbel_noise(logits, settings.temperature, generator).argmax(-1)
+            candidates = logits.index_fill(-1, torch.tensor([mask_id], device=device), float("-inf"))
+            x0 = add_gumbel_noise(candidates, settings.temperature, generator).argmax(-1)
             if policy.remasking == "low_confidence":
                 x0_p = F.softmax(logits, dim=-1).gather(-1, x0[..., None]).squeeze(-1).to(torch.float64)
             else:

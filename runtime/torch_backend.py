@@ -29,7 +29,8 @@ class TorchBackend(Backend):
     IO-bound ONNX Runtime session or a TensorRT engine would write them."""
 
     def __init__(self, model: Denoiser):
-        self.model = model.eval()
+        model.eval()
+        self.model = model
         self.spec = spec_of(model)
         self._buffers: dict[StepShapes, StepOutputs] = {}
 

@@ -1,0 +1,273 @@
+"""The Generator against the reference loop and an independent LLaDA2 generate; cache modes, batching,
+end-of-sequence, streaming, cancellation and metrics."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dlmrt.runtime import (Factor, Fixed, GenerationSettings, Generator, LLaDA2, Residual, Threshold,
+                           reference)
+from dlmrt.runtime.torch_backend import TorchBackend
+from helpers import LLADA, LLADA2, ORL, TOKENS, config, random_model
+
+MASK, EOS = TOKENS.mask_id, TOKENS.eos_ids[0]
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19, 20]]
+
+
+@pytest.fixture(scope="module")
+def llada():
+    return random_model(LLADA)
+
+
+@pytest.fixture(scope="module")
+def llada2():
+    return random_model(LLADA2)
+
+
+@pytest.fixture(scope="module")
+def orl():
+    return random_model(config(LLADA, residual_context=ORL), seed=3)
+
+
+def run(model, prompts, settings, **kwargs):
+    return Generator(model).generate(prompts, settings, **kwargs)
+
+
+# -- the fixed policy is the reference loop ------------------------------------------------------
+@pytest.mark.parametrize("model_name", ["llada", "orl"])
+@pytest.mark.parametrize("prompts", [PROMPTS[:1], PROMPTS], ids=["single", "batched"])
+@pytest.mark.parametrize("settings", [
+    GenerationSettings(12, 4, Fixed(12), ignore_eos=True),
+    GenerationSettings(12, 6, Fixed(4), ignore_eos=True),
+    GenerationSettings(8, 8, Fixed(8), cfg_scale=1.5, ignore_eos=True),
+    GenerationSettings(8, 4, Fixed(8, "random"), seed=3, ignore_eos=True),
+], ids=["one-per-step", "three-per-step", "guidance", "random-remasking"])
+def test_fixed_policy_gives_the_reference_tokens(request, model_name, prompts, settings):
+    model = request.getfixturevalue(model_name)
+    expected = reference.generate(model, prompts, settings).tokens
+    got = run(model, prompts, settings).tokens
+    if settings.policy.remasking == "random":  # the two loops draw their random numbers differently
+        assert got.shape == expected.shape and not (got == MASK).any()
+    else:
+        assert torch.equal(got, expected)
+
+
+def test_sampling_is_reproducible_and_seeded(llada):
+    settings = GenerationSettings(12, 4, Threshold(0.5), temperature=1.0, seed=7, ignore_eos=True)
+    first, second = run(llada, PROMPTS, settings).tokens, run(llada, PROMPTS, settings).tokens
+    other = run(llada, PROMPTS, GenerationSettings(12, 4, Threshold(0.5), temperature=1.0, seed=8,
+                                                   ignore_eos=True)).tokens
+    greedy = run(llada, PROMPTS, GenerationSettings(12, 4, Threshold(0.5), ignore_eos=True)).tokens
+    assert torch.equal(first, second)
+    assert not torch.equal(first, other) and not torch.equal(first, greedy)
+
+
+# -- LLaDA2's own generate, written independently ---------------------------------------------------
+@torch.no_grad()
+def llada2_generate(model, prompt, gen_length, block_length, steps, threshold):
+    """LLaDA2.x's public generate for one prompt, in plain Python over full forwards (the mask token is
+    never a candidate: a trained model never predicts it, a random one may)."""
+    n = len(prompt)
+    num_blocks = -(-(n + gen_length) // block_length)
+    x = list(prompt) + [MASK] * (num_blocks * block_length - n)
+    steps = min(steps, gen_length)
+    schedule = [block_length // steps + (i < block_length % steps) for i in range(steps)]
+    for block in range(n // block_length, num_blocks):
+        start, end = block * block_length, (block + 1) * block_length
+        for step in range(steps):
+            masked = [i for i in range(start, end) if x[i] == MASK]
+            if not masked:
+                break
+            logits = model.denoise(torch.tensor([x[:end]]), positions=torch.arange(end)[None],
+                                   block_length=block_length).logits[0].float()
+            probs = F.softmax(logits, dim=-1)
+            x0 = probs.index_fill(-1, torch.tensor([MASK]), -1.0).argmax(-1).tolist()
+            p = {i: float(probs[i, x0[i]]) for i in masked}
+            above = [i for i in masked if p[i] > threshold]
+            wanted = schedule[step]
+            chosen = above if len(above) >= wanted else \
+                sorted(masked, key=lambda i: (-p[i], i))[:min(wanted, len(masked))]
+            for i in chosen:
+                x[i] = x0[i]
+        if EOS in x[n:end]:
+            break
+    out = x[n:n + gen_length]
+    return out[:out.index(EOS)] if EOS in out else out
+
+
+@pytest.mark.parametrize("cache", ["none", "prefix"])
+@pytest.mark.parametrize("threshold, steps", [(0.95, 4), (0.2, 4), (0.05, 2)])
+def test_llada2_policy_decodes_as_llada2s_generate(llada2, cache, threshold, steps):
+    settings = GenerationSettings(12, 4, LLaDA2(threshold, steps), cache=cache)
+    for prompt in ([5, 6, 7], [5, 6, 7, 8], [5, 6, 7, 8, 9, 10, 11, 12, 13]):
+        got = run(llada2, [prompt], settings).rows[0].token_ids
+        assert got == llada2_generate(llada2, prompt, 12, 4, steps, threshold), prompt
+
+
+@pytest.mark.parametrize("policy", [LLaDA2(0.3, 4), Threshold(0.3), Fixed(12), Factor(2.0)],
+                         ids=["llada2", "threshold", "fixed", "factor"])
+def test_block_causal_cache_modes_give_the_tokens_of_no_cache(llada2, policy):
+    settings = GenerationSettings(12, 4, policy, ignore_eos=True)
+    expected = run(llada2, PROMPTS, settings).tokens
+    cached = run(llada2, PROMPTS, GenerationSettings(12, 4, policy, ignore_eos=True, cache="prefix")).tokens
+    assert torch.equal(cached, expected)
+
+
+def test_batched_rows_decode_as_alone(llada2, llada):
+    for model in (llada, llada2):
+        for cache in ("none", "prefix"):
+            settings = GenerationSettings(12, 4, Threshold(0.3), cache=cache)
+            batched = run(model, PROMPTS, settings).rows
+            for prompt, row in zip(PROMPTS, batched):
+                assert row.token_ids == run(model, [prompt], settings).rows[0].token_ids
+
+
+def test_block_causal_cache_writes_each_finished_block_once(llada2):
+    backend = TorchBackend(llada2)
+    windows = []
+    original = backend.step
+    backend.step = lambda inputs: windows.append((inputs.ids.shape[1], inputs.return_kv)) or original(inputs)
+    Generator(backend).generate([[5, 6, 7, 8, 9]], GenerationSettings(12, 4, Fixed(12), cache="prefix",
+                                                                      ignore_eos=True))
+    # prompt of 5: blocks [4, 8) (3 masked: 3 steps), [8, 12), [12, 16), [16, 20) (4 steps each). The
+    # first step prefills [0, 8) and writes [0, 4); each next block's first step covers the previous
+    # block too, and writes it.
+    assert windows == [(8, True)] + [(4, False)] * 2 + ([(8, True)] + [(4, False)] * 3) * 3
+
+
+# -- bidirectional caches are approximations; with one step per block they are exact -----------------
+@pytest.mark.parametrize("cache", ["prefix", "dual"])
+def test_bidirectional_caches_refresh_at_each_block(llada, cache):
+    settings = GenerationSettings(12, 4, Fixed(3), ignore_eos=True)  # one step per block: always a refresh
+    expected = run(llada, PROMPTS, settings).tokens
+    got = run(llada, PROMPTS, GenerationSettings(12, 4, Fixed(3), cache=cache, ignore_eos=True)).tokens
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("cache", ["prefix", "dual"])
+def test_bidirectional_cache_windows(llada, cache):
+    backend = TorchBackend(llada)
+    shapes = []
+    original = backend.step
+    backend.step = lambda inputs: shapes.append(inputs.shapes()) or original(inputs)
+    Generator(backend).generate([[5, 6, 7]], GenerationSettings(8, 4, Fixed(8), cache=cache, ignore_eos=True))
+    full = [(s.window, s.prefix) for s in shapes[::4]]
+    assert full == [(11, 0), (11, 0)]  # each block starts with a full forward
+    windowed = [(s.window, s.prefix) for i, s in enumerate(shapes) if i % 4]
+    if cache == "prefix":
+        assert windowed == [(8, 3)] * 3 + [(4, 7)] * 3
+    else:
+        assert windowed == [(4, 7)] * 6
+
+
+# -- end of sequence, streaming, cancellation ---------------------------------------------------------
+class EOSAt:
+    """Wraps a model so that generated position `eos_position` (0-based) predicts EOS with certainty."""
+
+    def __init__(self, model, prompt_length, eos_position):
+        self.model, self.target = model, prompt_length + eos_position
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def denoise(self, ids, *, positions, logits_range=None, **kwargs):
+        out = self.model.denoise(ids, positions=positions, **kwargs)
+        logits = out.logits.clone()
+        logits[positions == self.target] = -1e4
+        logits[..., EOS][positions == self.target] = 1e4
+        if logits_range is not None:
+            logits = logits[:, logits_range[0]:logits_range[1]]
+        return out._replace(logits=logits)
+
+
+def test_a_row_stops_after_the_block_holding_eos(llada):
+    model = EOSAt(llada, 3, 5)  # EOS in the second block of 4
+    settings = GenerationSettings(16, 4, Fixed(16))
+    stopped = run(model, [[5, 6, 7]], settings)
+    full = run(model, [[5, 6, 7]], GenerationSettings(16, 4, Fixed(16), ignore_eos=True))
+    row = stopped.rows[0]
+    assert row.finish_reason == "eos" and len(row.token_ids) == 5
+    assert row.token_ids == full.rows[0].token_ids
+    assert stopped.tokens[0, 8:].tolist() == [EOS] * 8  # the rest is filled with EOS
+    assert stopped.metrics.nfe == 8 and full.metrics.nfe == 16
+    assert stopped.metrics.generated_tokens == 8
+
+
+def test_finished_rows_leave_the_batch(llada):
+    model = EOSAt(llada, 9, 1)  # the longest prompt's row stops after its first block
+    backend = TorchBackend(model)
+    batches = []
+    original = backend.step
+    backend.step = lambda inputs: batches.append(inputs.ids.shape[0]) or original(inputs)
+    result = Generator(backend).generate(PROMPTS, GenerationSettings(8, 4, Fixed(8)))
+    finished_early = [r.finish_reason == "eos" and r.metrics.nfe == 4 for r in result.rows]
+    assert finished_early[2] and batches[:4] == [3] * 4 and set(batches[4:]) <= {2, 1}
+    assert result.metrics.sequence_forwards == sum(r.metrics.nfe for r in result.rows) < 3 * 8
+
+
+def test_stream_yields_the_completion_block_by_block(llada):
+    settings = GenerationSettings(12, 4, Threshold(0.3), ignore_eos=True)
+    stream = Generator(llada).stream(PROMPTS, settings)
+    pieces = {row: [] for row in range(len(PROMPTS))}
+    blocks = {row: [] for row in range(len(PROMPTS))}
+    for update in stream:
+        pieces[update.row] += update.token_ids
+        blocks[update.row].append(update.block)
+    for row, output in enumerate(stream.result.rows):
+        assert pieces[row] == output.token_ids
+        assert blocks[row] == sorted(blocks[row])
+
+
+def test_cancellation_stops_at_the_next_step(llada):
+    cancel = threading.Event()
+    steps = []
+
+    def on_step():
+        steps.append(1)
+        if len(steps) == 3:
+            cancel.set()
+
+    result = run(llada, PROMPTS, GenerationSettings(12, 4, Fixed(12)), cancel=cancel, on_step=on_step)
+    assert result.metrics.nfe == 3
+    assert all(r.finish_reason == "cancelled" for r in result.rows)
+    assert (result.tokens == MASK).any()
+    for row in result.rows:
+        assert MASK not in row.token_ids
+
+
+def test_closing_the_stream_stops_compute(llada):
+    steps = []
+    stream = Generator(llada).stream([[5, 6]], GenerationSettings(12, 4, Fixed(12), ignore_eos=True),
+                                     on_step=lambda: steps.append(1))
+    next(stream)
+    stream.close()
+    assert len(steps) == 4
+
+
+# -- residual ---------------------------------------------------------------------------------------
+def test_residual_policy_carries_z(orl):
+    settings = GenerationSettings(12, 12, Residual(Threshold(0.3)), ignore_eos=True)
+    with_z = run(orl, PROMPTS, settings).tokens
+    assert torch.equal(with_z, run(orl, PROMPTS, GenerationSettings(12, 12, Threshold(0.3),
+                                                                    ignore_eos=True)).tokens)
+    backend = TorchBackend(orl)
+    certainties = []
+    original = backend.step
+    backend.step = lambda inputs: certainties.append(float(inputs.certainty.abs().sum())) or original(inputs)
+    Generator(backend).generate(PROMPTS, settings)
+    assert certainties[0] == 0 and all(c > 0 for c in certainties[1:])  # z = 0 only before the first step
+
+
+# -- metrics --------------------------------------------------------------------------------------------
+def test_metrics_count_forwards_including_cache_refreshes(llada):
+    result = run(llada, [[5, 6, 7], [8, 9]], GenerationSettings(8, 4, Fixed(8), cache="dual", ignore_eos=True))
+    m = result.metrics
+    assert m.nfe == 8 and m.sequence_forwards == 16 and m.generated_tokens == 16 and m.prompt_tokens == 5
+    assert m.tpf == 1.0 and 0 < m.backend_s <= m.latency_s and m.peak_memory_bytes > 0
+    assert [r.metrics.generated_tokens for r in result.rows] == [8, 8]
+    payload = m.to_dict()
+    assert payload["host_s"] == pytest.approx(m.latency_s - m.backend_s)
