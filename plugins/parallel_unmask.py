@@ -7,7 +7,7 @@ scores it, and commits some of the still-masked positions:
     x0      = argmax(logits)                     (temperature 0; never the mask token)
             = argmax(exp(logits) / (-log u)^T)   (temperature T > 0, LLaDA's Gumbel-max, float64)
     conf    = p(x0)                 "prob"     (LLaDA low_confidence, Fast-dLLM, LLaDA2)
-            = p(top1) - p(top2)     "margin"   (Dream)
+            = p(top1) - p(top2)     "margin"   (Dream; the two most likely tokens other than the mask)
             = 1 - H(p) / log V      "entropy"  (Dream's negative entropy, rescaled into [0, 1])
             = u                     "random"   (LLaDA random remasking)
     k       = min(masked, max(count, #{conf >= threshold}, factor_prefix))
@@ -99,18 +99,20 @@ def candidates(logits: Tensor, params: UnmaskParams, positions: Tensor, mask_id:
     return torch.where(t > 0, scores, logits.to(torch.float64)).argmax(-1)
 
 
-def confidence_of(logits: Tensor, x0: Tensor, measure: str, params: UnmaskParams,
-                  positions: Tensor) -> Tensor:
+def confidence_of(logits: Tensor, x0: Tensor, measure: str, params: UnmaskParams, positions: Tensor,
+                  mask_id: int) -> Tensor:
     """float32 `[B, W]` confidence of each candidate."""
     if measure == "random":
         salt = torch.tensor(_RANDOM_CONFIDENCE_SALT, device=logits.device)
-        return uniform(params.seed, params.step, positions, salt).to(torch.float32)
+        u = uniform(params.seed, params.step, positions, salt)
+        # 23 bits, so that the float32 value is exact and stays below 1
+        return ((torch.floor(u * 2.0**23) + 0.5) / 2.0**23).to(torch.float32)
     logp = F.log_softmax(logits, dim=-1)
     p = logp.exp()
     if measure == "prob":
         return p.gather(-1, x0[..., None]).squeeze(-1)
-    if measure == "margin":
-        top = p.topk(2, dim=-1).values
+    if measure == "margin":  # between the two most likely tokens that could be committed
+        top = p.index_fill(-1, torch.tensor([mask_id], device=p.device), 0.0).topk(2, dim=-1).values
         return top[..., 0] - top[..., 1]
     if measure == "entropy":
         entropy = -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1)
@@ -134,7 +136,7 @@ def parallel_unmask(logits: Tensor, ids: Tensor, positions: Tensor, params: Unma
     """One step: logits `[B, W, V]` (float32), ids and positions `[B, W]`, params `[B]` each."""
     is_masked = ids == mask_id
     x0 = candidates(logits, params, positions, mask_id)
-    conf = confidence_of(logits, x0, confidence, params, positions)
+    conf = confidence_of(logits, x0, confidence, params, positions, mask_id)
     conf = torch.where(is_masked, conf, float("-inf"))
     ranked, order = conf.sort(dim=-1, descending=True, stable=True)
     k = commit_count(ranked, is_masked.sum(-1), params)
