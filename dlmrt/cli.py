@@ -5,12 +5,22 @@ from __future__ import annotations
 import functools
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from dlmrt import TINY_MODEL_DIR, __version__
 from dlmrt.errors import DlmrtError
+
+if TYPE_CHECKING:
+    from rich.table import Table
+
+    from dlmrt.evaluation import Setting, SettingScore
+    from dlmrt.export.models import Denoiser
+    from dlmrt.runtime import GenerationSettings
+    from dlmrt.tasks import Example
 
 DTYPE_CHOICES = ("float32", "bfloat16", "float16", "fp32", "bf16", "fp16", "auto")
 # Kept here (not imported from dlmrt.runtime) so that `dlmrt --help` does not import torch.
@@ -53,47 +63,78 @@ def model_option(command):
                         help="Hugging Face model directory (default: the tiny model shipped with dlmrt).")(command)
 
 
-def decoding_options(command):
-    """The options that choose a policy, a cache and the block layout (generate and eval)."""
-    options = [
-        click.option("--gen-length", type=int, default=None,
-                     help="Tokens to generate [default: the model's generation_config, else 128]."),
-        click.option("--block-length", type=int, default=None,
-                     help="Semi-autoregressive block size [default: the model's, if it divides "
-                          "--gen-length, else --gen-length]."),
-        click.option("--policy", type=str, default=None,
-                     help=f"Decoding policy: {', '.join(POLICY_NAMES)} [default: llada2 for llada2_moe "
-                          f"models, else fixed]."),
-        click.option("--steps", type=int, default=None,
-                     help="fixed: denoising steps in all [default: --gen-length]; llada2: steps per "
-                          "block [default: 32]."),
-        click.option("--remasking", type=click.Choice(("low_confidence", "random")), default="low_confidence",
-                     show_default=True, help="fixed: how to pick the positions committed at each step."),
-        click.option("--threshold", type=float, default=None,
-                     help="threshold, residual: commit every position at least this confident "
-                          "[default: 0.9]; llada2: strictly above [default: 0.95]."),
-        click.option("--factor", type=float, default=None,
-                     help="factor, residual: Fast-dLLM's factor rule [default: 1.0]."),
-        click.option("--confidence", type=click.Choice(("prob", "margin", "entropy")), default="prob",
-                     show_default=True, help="Confidence measure for threshold, factor, llada2, residual."),
-        click.option("--minimal-topk", type=int, default=1, show_default=True,
-                     help="llada2: caps its steps per block at gen-length // minimal-topk."),
-        click.option("--cache", type=click.Choice(CACHE_NAMES), default="none", show_default=True,
-                     help="K/V cache: none, prefix (the exact block cache for block-causal models) or dual."),
-        click.option("--max-block-steps", type=int, default=None,
-                     help="Step budget per block; the last step commits what is left."),
-        click.option("--temperature", type=float, default=0.0, show_default=True,
-                     help="Gumbel-noise temperature; 0 is greedy."),
-        click.option("--cfg-scale", type=float, default=0.0, show_default=True,
-                     help="Classifier-free guidance scale; 0 turns it off."),
-        click.option("--seed", type=int, default=0, show_default=True,
-                     help="Seed for sampling and random remasking (row i uses seed + i)."),
-        click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default="float32", show_default=True,
-                     help="Weights' dtype; auto takes config.json's."),
-    ]
-    for option in reversed(options):
-        command = option(command)
-    return command
+# The decoding options by name; `generate` takes them all, `eval` the ones its grid does not set.
+DECODING_OPTIONS = {
+    "gen_length": click.option(
+        "--gen-length", type=int, default=None,
+        help="Tokens to generate [default: the model's generation_config, else 128]."),
+    "block_length": click.option(
+        "--block-length", type=int, default=None,
+        help="Semi-autoregressive block size [default: the model's, if it divides --gen-length, else "
+             "--gen-length]."),
+    "policy": click.option(
+        "--policy", type=str, default=None,
+        help=f"Decoding policy: {', '.join(POLICY_NAMES)} [default: llada2 for llada2_moe models, else fixed]."),
+    "steps": click.option(
+        "--steps", type=int, default=None,
+        help="fixed: denoising steps in all [default: --gen-length]; llada2: steps per block [default: 32]."),
+    "remasking": click.option(
+        "--remasking", type=click.Choice(("low_confidence", "random")), default="low_confidence",
+        show_default=True, help="fixed: how to pick the positions committed at each step."),
+    "threshold": click.option(
+        "--threshold", type=float, default=None,
+        help="threshold, residual: commit every position at least this confident [default: 0.9]; "
+             "llada2: strictly above [default: 0.95]."),
+    "factor": click.option(
+        "--factor", type=float, default=None, help="factor, residual: Fast-dLLM's factor rule [default: 1.0]."),
+    "confidence": click.option(
+        "--confidence", type=click.Choice(("prob", "margin", "entropy")), default="prob", show_default=True,
+        help="Confidence measure for threshold, factor, llada2, residual."),
+    "minimal_topk": click.option(
+        "--minimal-topk", type=int, default=1, show_default=True,
+        help="llada2: caps its steps per block at gen-length // minimal-topk."),
+    "cache": click.option(
+        "--cache", type=click.Choice(CACHE_NAMES), default="none", show_default=True,
+        help="K/V cache: none, prefix (the exact block cache for block-causal models) or dual."),
+    "max_block_steps": click.option(
+        "--max-block-steps", type=int, default=None,
+        help="Step budget per block; the last step commits what is left."),
+    "temperature": click.option(
+        "--temperature", type=float, default=0.0, show_default=True,
+        help="Gumbel-noise temperature; 0 is greedy."),
+    "cfg_scale": click.option(
+        "--cfg-scale", type=float, default=0.0, show_default=True,
+        help="Classifier-free guidance scale; 0 turns it off."),
+    "seed": click.option(
+        "--seed", type=int, default=0, show_default=True,
+        help="Seed for sampling and random remasking (row i uses seed + i)."),
+    "dtype": click.option(
+        "--dtype", type=click.Choice(DTYPE_CHOICES), default="float32", show_default=True,
+        help="Weights' dtype; auto takes config.json's."),
+}
+
+
+def options(*names: str):
+    """A decorator adding the named DECODING_OPTIONS, in the order given."""
+    def decorate(command):
+        for name in reversed(names):
+            command = DECODING_OPTIONS[name](command)
+        return command
+    return decorate
+
+
+decoding_options = options(*DECODING_OPTIONS)
+eval_decoding_options = options("gen_length", "block_length", "cache", "temperature", "seed", "dtype")
+
+
+def lengths_from_options(model, gen_length: int | None, block_length: int | None) -> tuple[int, int]:
+    """Generation and block length, with defaults from the model's generation_config."""
+    if gen_length is None:
+        gen_length = model.generation_config.get("gen_length", 128)
+    if block_length is None:
+        default_block = model.generation_config.get("block_length", model.default_block_length or gen_length)
+        block_length = default_block if default_block > 0 and gen_length % default_block == 0 else gen_length
+    return gen_length, block_length
 
 
 def settings_from_options(model, *, gen_length, block_length, policy, steps, remasking, threshold, factor,
@@ -102,12 +143,7 @@ def settings_from_options(model, *, gen_length, block_length, policy, steps, rem
     """GenerationSettings from the decoding options, with defaults from the model."""
     from dlmrt.runtime import GenerationSettings, make_policy
 
-    defaults = model.generation_config
-    if gen_length is None:
-        gen_length = defaults.get("gen_length", 128)
-    if block_length is None:
-        default_block = defaults.get("block_length", model.default_block_length or gen_length)
-        block_length = default_block if default_block > 0 and gen_length % default_block == 0 else gen_length
+    gen_length, block_length = lengths_from_options(model, gen_length, block_length)
     if policy is None:
         policy = "llada2" if model.block_causal else "fixed"
     chosen = make_policy(policy, steps=steps, remasking=remasking, threshold=threshold, factor=factor,
@@ -214,6 +250,133 @@ def print_update(model, update, batch_size, as_json):
     elif update.token_ids or update.finish_reason:
         click.echo(f"[{update.row}] {chunk}" + (f" <{update.finish_reason}>" if update.finish_reason else ""))
 
+
+@main.command(name="eval")
+@model_option
+@click.option("--data", type=click.Path(path_type=Path, dir_okay=False), default=None, metavar="FILE.jsonl",
+              help='Examples as JSONL: {"prompt": ..., "answer": ..., "task": ...} per line ("task" is '
+                   "optional) [default: the task suite].")
+@click.option("--tasks", "task_names", default=None, metavar="rev,sort,add",
+              help="Task-suite tasks, comma-separated [default: all].")
+@click.option("--per-task", type=click.IntRange(min=1), default=None,
+              help="Task-suite examples per task [default: 100].")
+@click.option("--split", type=click.Choice(("test", "train")), default=None,
+              help="Task-suite split [default: test, the held-out prompts].")
+@click.option("--data-seed", type=int, default=None, help="Seed that picks the task-suite examples [default: 0].")
+@click.option("--setting", "setting_specs", multiple=True, metavar="POLICY[:key=value,...]",
+              help="A decoding setting, e.g. fixed:steps=8, threshold:threshold=0.9,confidence=margin, "
+                   "factor:factor=2, llada2:threshold=0.9,steps=8. Repeat for a grid [default: fixed at 1, "
+                   "1/2 and 1/4 token per step, threshold 0.5-0.99, factor 1, 2, 4].")
+@eval_decoding_options
+@click.option("--batch-size", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Examples decoded together.")
+@click.option("--json", "json_path", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              metavar="PATH", help="Also write the results as JSON.")
+@click.option("--plot", "plot_path", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              metavar="PATH.png", help="Also plot exact-match against tokens per forward (needs matplotlib).")
+@reports_errors
+def evaluate(model_dir, data, task_names, per_task, split, data_seed, setting_specs, gen_length, block_length,
+             cache, temperature, seed, dtype, batch_size, json_path, plot_path):
+    """Exact-match and speed over a grid of decoding settings: the speed-quality curve."""
+    suite_options = {"--tasks": task_names, "--per-task": per_task, "--split": split, "--data-seed": data_seed}
+    if data is not None and any(value is not None for value in suite_options.values()):
+        given = ", ".join(name for name, value in suite_options.items() if value is not None)
+        raise click.UsageError(f"--data replaces the task suite: drop {given}")
+
+    from dlmrt import evaluation
+
+    if plot_path is not None:
+        if plot_path.suffix.lower() != ".png":
+            raise click.BadParameter(f"the plot is a PNG: give a path ending in .png, got {str(plot_path)!r}",
+                                     param_hint="--plot")
+        evaluation.require_matplotlib()
+    grid = [evaluation.parse_setting(spec) for spec in setting_specs]
+    if data is not None:
+        examples = evaluation.load_jsonl(data)
+    else:
+        examples = suite_examples(task_names, per_task or 100, split or "test", data_seed or 0)
+
+    import dlmrt
+    from dlmrt.runtime import Fixed, GenerationSettings
+
+    model = dlmrt.load(model_dir or TINY_MODEL_DIR, dtype=dtype)
+    gen_length, block_length = lengths_from_options(model, gen_length, block_length)
+    base = GenerationSettings(gen_length=gen_length, block_length=block_length, policy=Fixed(),
+                              temperature=temperature, seed=seed, cache=cache)
+    base.validate()
+    grid = grid or evaluation.default_grid(gen_length, block_length)
+    results = run_grid(model, examples, base, grid, batch_size)
+
+    title = f"{model.name}: {len(examples)} examples, gen-length {gen_length}, block-length {block_length}"
+    print_table(results_table(results, title))
+    if json_path is not None:
+        from dlmrt import atomic
+
+        document = evaluation.results_document(model.name, len(examples), base, results)
+        atomic.write_text(json_path, json.dumps(document, indent=2) + "\n")
+    if plot_path is not None:
+        evaluation.write_plot(results, plot_path, title)
+
+
+def suite_examples(task_names: str | None, per_task: int, split: str, seed: int) -> list[Example]:
+    from dlmrt import tasks
+
+    chosen = tuple(tasks.TASKS) if task_names is None else \
+        tuple(dict.fromkeys(name.strip() for name in task_names.split(",") if name.strip()))
+    unknown = [name for name in chosen if name not in tasks.TASKS]
+    if unknown or not chosen:
+        raise click.BadParameter(f"expected task names from {', '.join(tasks.TASKS)}, comma-separated; "
+                                 f"got {task_names!r}", param_hint="--tasks")
+    return tasks.examples(split, per_task, seed, chosen)
+
+
+def run_grid(model: Denoiser, examples: Sequence[Example], base: GenerationSettings, grid: Sequence[Setting],
+             batch_size: int) -> list[SettingScore]:
+    """evaluation.evaluate_grid with a progress bar on stderr (on a terminal)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from dlmrt import evaluation
+
+    console = Console(stderr=True)
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, transient=True, disable=not console.is_terminal) as bar:
+        task = bar.add_task("evaluating", total=len(examples) * len(grid))
+
+        def advance(setting: Setting, count: int) -> None:
+            bar.update(task, advance=count, description=setting.label)
+
+        return evaluation.evaluate_grid(model, examples, base, grid, batch_size, on_batch=advance)
+
+
+def print_table(table: Table) -> None:
+    """On stdout: fitted to a terminal, at full width elsewhere (a file or pipe gets whole labels)."""
+    from rich.console import Console
+
+    console = Console()
+    if not console.is_terminal:
+        unbounded = console.options.update_width(10_000)
+        console.width = max(console.width, console.measure(table, options=unbounded).maximum)
+    console.print(table)
+
+
+def results_table(results: Sequence[SettingScore], title: str) -> Table:
+    """One row per setting, in the order given: exact-match per task and mean, then speed."""
+    from rich.table import Table
+
+    task_names = list(dict.fromkeys(task for r in results for task in r.score.per_task))
+    table = Table(title=title)
+    table.add_column("setting")
+    for name in (*task_names, "mean"):
+        table.add_column(name, justify="right")
+    for name in ("TPF", "tokens/s", "NFE"):
+        table.add_column(name, justify="right")
+    for r in results:
+        scores = [f"{r.score.per_task[name]:.1%}" for name in task_names]
+        metrics = r.score.metrics
+        table.add_row(r.setting.label, *scores, f"{r.score.mean:.1%}", f"{metrics.tpf:.2f}",
+                      f"{metrics.tokens_per_s:.0f}", f"{metrics.nfe}")
+    return table
 
 if __name__ == "__main__":
     sys.exit(main())

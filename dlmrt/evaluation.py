@@ -1,28 +1,302 @@
-"""Exact-match of a model on task-suite examples, decoded with the reference loop."""
+"""Exact-match of a model on task-suite or JSONL examples, decoded by the Generator, over a grid of
+decoding settings: the speed-quality curve of `dlmrt eval`.
+
+    score = exact_match(model, examples, GenerationSettings(16, 8, Threshold(0.9)))
+    score.per_task, score.mean, score.metrics.tpf
+
+A setting is written `POLICY[:key=value,...]`, e.g. `fixed:steps=8` or
+`threshold:threshold=0.7,confidence=margin`; its label is the spec as written.
+"""
 
 from __future__ import annotations
 
+import functools
+import io
+import json
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
+from dlmrt import atomic
+from dlmrt.errors import ArgumentError
 from dlmrt.export.models import Denoiser
-from dlmrt.runtime import reference, text
+from dlmrt.runtime import GenerationMetrics, GenerationSettings, Generator, Policy, make_policy, text
+from dlmrt.runtime.settings import check_request
 from dlmrt.tasks import Example
 
+# The keys each policy takes in a setting spec, with the type of their values.
+SETTING_KEYS: dict[str, dict[str, type]] = {
+    "fixed": {"steps": int, "remasking": str},
+    "threshold": {"threshold": float, "confidence": str},
+    "factor": {"factor": float, "confidence": str},
+    "llada2": {"threshold": float, "steps": int, "minimal_topk": int, "confidence": str},
+    "residual": {"threshold": float, "factor": float, "confidence": str},
+}
+DEFAULT_THRESHOLDS = (0.5, 0.7, 0.8, 0.9, 0.95, 0.99)
+DEFAULT_FACTORS = (1, 2, 4)
+JSONL_TASK = "jsonl"
+PLOT_INSTALL_HINT = "the plot needs matplotlib: pip install 'dlmrt[plot]'"
+# Label placement on the plot: a step in points, and a label's rough extent in axes fractions.
+LABEL_STEP_PT = 9
+LABEL_WIDTH, LABEL_HEIGHT = 0.25, 0.03
 
-def exact_match(model: Denoiser, examples: Sequence[Example], settings: reference.GenerationSettings,
-                batch_size: int = 64, on_batch: Callable[[int], None] | None = None) -> dict[str, float]:
-    """Fraction of exactly right answers per task. Rows are batched (left padding is exact)."""
+
+@dataclass(frozen=True)
+class EvalScore:
+    per_task: dict[str, float]  # fraction of exactly right answers, tasks in order of first appearance
+    metrics: GenerationMetrics  # all batches together
+
+    @property
+    def mean(self) -> float:
+        """The mean over tasks (each task weighs the same, whatever its example count)."""
+        return sum(self.per_task.values()) / len(self.per_task)
+
+
+@dataclass(frozen=True)
+class Setting:
+    label: str  # the spec as written
+    policy: Policy
+
+
+@dataclass(frozen=True)
+class SettingScore:
+    setting: Setting
+    score: EvalScore
+
+
+# -- scoring ------------------------------------------------------------------------------------
+
+def exact_match(model: Denoiser, examples: Sequence[Example], settings: GenerationSettings,
+                batch_size: int = 64, on_batch: Callable[[int], None] | None = None) -> EvalScore:
+    """Exact-match per task of `examples` decoded with `settings`, batched `batch_size` rows at a time;
+    every check runs before any compute."""
+    generator, prompts = _prepare(model, examples, batch_size)
+    check_request(generator.spec, prompts, settings)
+    return _score(generator, model, examples, prompts, settings, batch_size, on_batch)
+
+
+def evaluate_grid(model: Denoiser, examples: Sequence[Example], base: GenerationSettings,
+                  grid: Sequence[Setting], batch_size: int = 64,
+                  on_batch: Callable[[Setting, int], None] | None = None) -> list[SettingScore]:
+    """`exact_match` under each setting's policy (the rest from `base`), in the grid's order. Every
+    setting is checked before the first one runs. `on_batch(setting, rows)` follows each batch, and
+    comes with 0 rows as a setting starts."""
+    if not grid:
+        raise ArgumentError("the grid has no setting: give at least one")
+    generator, prompts = _prepare(model, examples, batch_size)
+    runs = [(setting, replace(base, policy=setting.policy)) for setting in grid]
+    for setting, settings in runs:
+        try:
+            check_request(generator.spec, prompts, settings)
+        except ArgumentError as error:
+            raise ArgumentError(f"setting {setting.label!r}: {error}") from None
+    # One untimed row first, so that one-off costs (allocator, kernel selection) do not land on the
+    # first setting's tokens/s.
+    generator.generate(prompts[:1], runs[0][1])
+    results = []
+    for setting, settings in runs:
+        advance = None
+        if on_batch is not None:
+            on_batch(setting, 0)
+            advance = functools.partial(on_batch, setting)
+        results.append(SettingScore(setting, _score(generator, model, examples, prompts, settings,
+                                                     batch_size, advance)))
+    return results
+
+
+def _prepare(model: Denoiser, examples: Sequence[Example],
+             batch_size: int) -> tuple[Generator, list[list[int]]]:
+    """The Generator and every prompt's token ids, after the checks that do not depend on a setting."""
+    if batch_size <= 0:
+        raise ArgumentError(f"batch-size must be positive, got {batch_size}")
+    if not examples:
+        raise ArgumentError("no examples to evaluate")
+    return Generator(model), [text.encode(model, example.prompt) for example in examples]
+
+
+def _score(generator: Generator, model: Denoiser, examples: Sequence[Example], prompts: list[list[int]],
+           settings: GenerationSettings, batch_size: int,
+           on_batch: Callable[[int], None] | None) -> EvalScore:
     right: dict[str, int] = defaultdict(int)
     total: dict[str, int] = defaultdict(int)
+    metrics = []
     for start in range(0, len(examples), batch_size):
         batch = examples[start:start + batch_size]
-        prompts = [text.encode(model, e.prompt) for e in batch]
-        out = reference.generate(model, prompts, settings)
-        for example, row in zip(batch, out.tokens.tolist()):
-            answer = text.decode(model, text.completion(row, model.tokens.eos_ids))
+        result = generator.generate(prompts[start:start + batch_size], settings)
+        for example, row in zip(batch, result.rows):
             total[example.task] += 1
-            right[example.task] += answer == example.answer
+            right[example.task] += text.decode(model, row.token_ids) == example.answer
+        metrics.append(result.metrics)
         if on_batch is not None:
             on_batch(len(batch))
-    return {task: right[task] / total[task] for task in total}
+    return EvalScore({task: right[task] / total[task] for task in total}, GenerationMetrics.combine(metrics))
+
+
+# -- examples from a file -------------------------------------------------------------------------
+
+def load_jsonl(path: str | Path) -> list[Example]:
+    """Examples from a JSONL file of `{"prompt": ..., "answer": ..., "task": ...}` objects ("task" is
+    optional, default "jsonl"); blank lines are skipped."""
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as error:
+        raise ArgumentError(f"cannot read the examples file {path}: {error}") from None
+    examples = [_example(path, number, line) for number, line in enumerate(lines, start=1) if line.strip()]
+    if not examples:
+        raise ArgumentError(f"{path} holds no examples: write one JSON object per line, "
+                            f'like {{"prompt": "add:1+2=", "answer": "3"}}')
+    return examples
+
+
+def _example(path: Path, number: int, line: str) -> Example:
+    where = f"{path} line {number}"
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise ArgumentError(f"{where}: not valid JSON ({error.msg} at column {error.colno})") from None
+    if not isinstance(record, dict):
+        raise ArgumentError(f"{where}: expected a JSON object with \"prompt\" and \"answer\", "
+                            f"got {type(record).__name__}")
+    fields = {}
+    for key, required in (("prompt", True), ("answer", True), ("task", False)):
+        if key not in record:
+            if required:
+                raise ArgumentError(f"{where}: the object has no {key!r} field")
+            continue
+        if not isinstance(record[key], str):
+            raise ArgumentError(f"{where}: {key!r} must be a string, got {json.dumps(record[key])}")
+        fields[key] = record[key]
+    return Example(fields.get("task", JSONL_TASK), fields["prompt"], fields["answer"])
+
+
+# -- settings -----------------------------------------------------------------------------------
+
+def parse_setting(spec: str) -> Setting:
+    """A setting from `POLICY[:key=value,...]`; keys are those of SETTING_KEYS (`-` or `_`)."""
+    label = spec.strip()
+    name, colon, rest = label.partition(":")
+    name = name.strip()
+    if name not in SETTING_KEYS:
+        raise ArgumentError(f"setting {label!r}: unknown policy {name!r} (known: {', '.join(SETTING_KEYS)})")
+    params = _setting_params(label, name, rest) if colon else {}
+    if name == "residual" and "threshold" in params and "factor" in params:
+        raise ArgumentError(f"setting {label!r}: residual takes a threshold or a factor, not both")
+    return Setting(label, make_policy(name, **params))
+
+
+def _setting_params(label: str, name: str, rest: str) -> dict[str, int | float | str]:
+    allowed = SETTING_KEYS[name]
+    params: dict[str, int | float | str] = {}
+    for item in rest.split(","):
+        key, equals, value = (part.strip() for part in item.partition("="))
+        key = key.replace("-", "_")
+        if not equals or not key or not value:
+            raise ArgumentError(f"setting {label!r}: expected key=value after {name}:, got {item.strip()!r} "
+                                f"(e.g. {name}:{next(iter(allowed))}=...)")
+        if key not in allowed:
+            raise ArgumentError(f"setting {label!r}: {name} takes {', '.join(allowed)}; not {key!r}")
+        if key in params:
+            raise ArgumentError(f"setting {label!r}: {key} is given twice")
+        params[key] = _convert(label, key, value, allowed[key])
+    return params
+
+
+def _convert(label: str, key: str, value: str, kind: type) -> int | float | str:
+    try:
+        return kind(value)
+    except ValueError:
+        noun = "an integer" if kind is int else "a number"
+        raise ArgumentError(f"setting {label!r}: {key} must be {noun}, got {value!r}") from None
+
+
+def default_grid(gen_length: int, block_length: int) -> list[Setting]:
+    """Fixed at one token per step, and at gen_length / 2 and / 4 steps where they divide into the
+    blocks; then the threshold rule at DEFAULT_THRESHOLDS and the factor rule at DEFAULT_FACTORS."""
+    num_blocks = gen_length // block_length
+    steps = [gen_length // k for k in (1, 2, 4)
+             if gen_length % k == 0 and (gen_length // k) % num_blocks == 0]
+    specs = [f"fixed:steps={s}" for s in dict.fromkeys(steps)]
+    specs += [f"threshold:threshold={t:g}" for t in DEFAULT_THRESHOLDS]
+    specs += [f"factor:factor={f:g}" for f in DEFAULT_FACTORS]
+    return [parse_setting(spec) for spec in specs]
+
+
+# -- reports ------------------------------------------------------------------------------------
+
+def results_document(model_name: str, examples: int, base: GenerationSettings,
+                     results: Sequence[SettingScore]) -> dict:
+    """What `dlmrt eval --json` writes."""
+    return {
+        "model": model_name,
+        "examples": examples,
+        "settings": {"gen_length": base.gen_length, "block_length": base.block_length, "cache": base.cache,
+                     "temperature": base.temperature, "seed": base.seed},
+        "results": [{
+            "setting": r.setting.label,
+            "policy": {"name": r.setting.policy.name, **asdict(r.setting.policy)},
+            "exact_match": r.score.per_task,
+            "mean": r.score.mean,
+            "metrics": r.score.metrics.to_dict(),
+        } for r in results],
+    }
+
+
+def require_matplotlib() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ArgumentError(PLOT_INSTALL_HINT) from None
+
+
+def write_plot(results: Sequence[SettingScore], path: str | Path, title: str) -> None:
+    """Mean exact-match (%) against tokens per forward, one line per policy, written as a PNG."""
+    require_matplotlib()
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(8, 5.5), dpi=120)
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot()
+    by_policy: dict[str, list[SettingScore]] = defaultdict(list)
+    for result in results:
+        by_policy[result.setting.policy.name].append(result)
+    for name, points in by_policy.items():
+        points = sorted(points, key=lambda r: r.score.metrics.tpf)
+        axes.plot([r.score.metrics.tpf for r in points], [100 * r.score.mean for r in points],
+                  marker="o", label=name)
+    lowest = min(100 * r.score.mean for r in results)
+    axes.set_ylim(max(0.0, lowest - 5), 101)
+    for result, level in zip(results, _label_levels(results, axes.get_xlim(), axes.get_ylim())):
+        leader = {"arrowstyle": "-", "color": "0.6", "linewidth": 0.5} if level else None
+        axes.annotate(result.setting.label, (result.score.metrics.tpf, 100 * result.score.mean),
+                      textcoords="offset points", xytext=(4, 4 + LABEL_STEP_PT * level), fontsize=7,
+                      arrowprops=leader)
+    axes.set_xlabel("tokens per forward (TPF)")
+    axes.set_ylabel("exact-match, mean over tasks (%)")
+    axes.set_title(title)
+    axes.grid(True, alpha=0.3)
+    axes.legend(loc="lower left")  # curves fall to the right, so the lower left is usually empty
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", bbox_inches="tight")  # "tight" keeps labels near the edges
+    atomic.write_bytes(path, buffer.getvalue())
+
+
+def _label_levels(results: Sequence[SettingScore], xlim: tuple[float, float],
+                  ylim: tuple[float, float]) -> list[int]:
+    """How many label heights to lift each point's label so that it does not cover an earlier one:
+    nearby settings (a threshold sweep often lands on the same point) would print on top of each other."""
+    width, height = xlim[1] - xlim[0] or 1.0, ylim[1] - ylim[0] or 1.0
+    placed: list[tuple[float, float]] = []  # labels' lower-left corners, in axes fractions
+    levels = []
+    for result in results:
+        x = (result.score.metrics.tpf - xlim[0]) / width
+        y = (100 * result.score.mean - ylim[0]) / height
+        level = 0
+        while any(abs(x - px) < LABEL_WIDTH and abs(y + level * LABEL_HEIGHT - py) < LABEL_HEIGHT
+                  for px, py in placed):
+            level += 1
+        placed.append((x, y + level * LABEL_HEIGHT))
+        levels.append(level)
+    return levels

@@ -137,7 +137,7 @@ def evaluate(model, per_task: int, block_length: int) -> dict[str, float]:
     held_out = tasks.examples("test", per_task, seed=1234)
     with Progress(TextColumn(f"exact-match, block {block_length}"), BarColumn(), MofNCompleteColumn()) as p:
         bar = p.add_task("eval", total=len(held_out))
-        return exact_match(model, held_out, settings, on_batch=lambda n: p.advance(bar, n))
+        return exact_match(model, held_out, settings, on_batch=lambda n: p.advance(bar, n)).per_task
 
 
 def main() -> None:
