@@ -9,7 +9,7 @@ from click.testing import CliRunner
 
 from dlmrt.cli import main
 from dlmrt.export import checkpoint
-from helpers import LLADA, random_model
+from helpers import LLADA, LLADA2, random_model
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +27,8 @@ def test_help_lists_the_llada_options():
     result = run("generate", "--help")
     assert result.exit_code == 0
     for option in ("--gen-length", "--block-length", "--steps", "--remasking", "--temperature",
-                   "--cfg-scale", "--seed", "--dtype", "--prompt-ids", "--json"):
+                   "--cfg-scale", "--seed", "--dtype", "--prompt-ids", "--json", "--policy", "--threshold",
+                   "--factor", "--confidence", "--cache", "--stream", "--ignore-eos", "--backend"):
         assert option in result.output
 
 
@@ -69,6 +70,11 @@ def test_text_output_is_one_line_per_prompt(model_dir):
     (["--prompt-ids", "5", "--steps", "0"], "steps must be positive, got 0"),
     (["--prompt", "rev:ABC="], "characters not in its vocabulary: ['A', 'B', 'C']"),
     (["--prompt", "x", "--prompt-ids", "1"], "give either --prompt or --prompt-ids, not both"),
+    (["--prompt-ids", "5", "--policy", "greedy"], "unknown policy 'greedy'"),
+    (["--prompt-ids", "5", "--policy", "threshold", "--threshold", "1.5"], "threshold must lie in (0, 1], got 1.5"),
+    (["--prompt-ids", "5", "--policy", "residual"], "policy 'residual' needs an ORL model"),
+    (["--prompt-ids", "5", "--block-length", "0"], "block-length must be positive, got 0"),
+    (["--prompt-ids", "5", "--max-block-steps", "0"], "the step budget per block must be positive, got 0"),
     ([], "give at least one --prompt or --prompt-ids"),
 ])
 def test_bad_input_gives_one_clear_line(model_dir, args, message):
@@ -82,3 +88,27 @@ def test_missing_model_directory():
     result = run("generate", "--model", "/nonexistent/model", "--prompt-ids", "5,6")
     assert result.exit_code == 2
     assert result.output.strip() == "Error: model directory /nonexistent/model does not exist"
+
+
+def test_stream_prints_what_generate_prints(model_dir):
+    args = ("--model", model_dir, "--prompt", "rev:abc=", "--policy", "threshold", "--threshold", "0.3")
+    streamed, plain = run("generate", *args, "--stream"), run("generate", *args)
+    assert streamed.exit_code == 0 and plain.exit_code == 0, streamed.output + plain.output
+    assert streamed.output == plain.output
+
+
+def test_backends_agree_and_caches_count_their_refreshes(model_dir):
+    args = ("--model", model_dir, "--prompt-ids", "5,6,7", "--gen-length", 8, "--block-length", 4, "--steps", 8,
+            "--ignore-eos", "--json")
+    torch_out = json.loads(run("generate", *args, "--cache", "dual").output)
+    reference_out = json.loads(run("generate", *args, "--backend", "reference").output)
+    assert torch_out["metrics"]["nfe"] == reference_out["metrics"]["nfe"] == 8  # refreshes are forwards
+    none_out = json.loads(run("generate", *args).output)
+    assert none_out["outputs"] == reference_out["outputs"]
+
+
+def test_dual_cache_on_a_block_causal_model_is_one_line(tmp_path):
+    directory = checkpoint.save(random_model(LLADA2), tmp_path / "llada2")
+    result = run("generate", "--model", directory, "--prompt-ids", "5,6", "--cache", "dual")
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert "cache mode 'dual' does not apply to llada2: it is block-causal" in result.output
