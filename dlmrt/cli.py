@@ -192,7 +192,8 @@ def generate(model_dir, prompts, prompt_ids, ignore_eos, backend, stream, show_m
         if stream:
             raise click.UsageError("--stream needs --backend torch")
         out = reference.generate(model, batch, settings)
-        rows = [(row, "length") for row in out.tokens.tolist()]
+        completions = [text.completion(row, model.tokens.eos_ids) for row in out.tokens.tolist()]
+        rows = [(ids, "eos" if len(ids) < settings.gen_length else "length") for ids in completions]
         metrics = out.metrics
     else:
         generator = Generator(model)
@@ -206,10 +207,7 @@ def generate(model_dir, prompts, prompt_ids, ignore_eos, backend, stream, show_m
 
     outputs = []
     for ids, reason in rows:
-        ids = text.completion(ids, model.tokens.eos_ids)
-        outputs.append({"token_ids": ids, "text": text.decode(model, ids),
-                        "finish_reason": reason if reason != "length" or len(ids) == settings.gen_length
-                        else "eos"})
+        outputs.append({"token_ids": ids, "text": text.decode(model, ids), "finish_reason": reason})
     if as_json:
         click.echo(json.dumps({"outputs": outputs, "metrics": metrics.to_dict()}))
     elif not stream:

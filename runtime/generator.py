@@ -40,6 +40,7 @@ from dlmrt.runtime.backend import Backend, StepInputs
 from dlmrt.runtime.kv_cache import KVCache
 from dlmrt.runtime.metrics import GenerationMetrics, peak_memory_bytes, reset_peak_memory
 from dlmrt.runtime.settings import GenerationSettings, check_request
+from dlmrt.runtime.text import completion
 
 
 class CancelToken(Protocol):
@@ -174,6 +175,7 @@ class _Run:
         self.backend_s = 0.0
         self.eos = torch.tensor(spec.eos_ids, dtype=torch.long, device=device)
         self.stops_at_eos = not settings.ignore_eos and len(spec.eos_ids) > 0
+        self.stop_ids = (*spec.eos_ids, spec.mask_id)  # a completion ends at EOS, or where decoding stopped
         self.steps_since_compaction = 0
         self.backend_s_since_compaction = 0.0
 
@@ -292,11 +294,7 @@ class _Run:
         row = int(self.rows[active])
         start = int(self.output_start[active])
         settled = self.canvas[active, start:min(end, start + self.settings.gen_length)].tolist()
-        new = settled[self.emitted[row]:]
-        for offset, token in enumerate(new):
-            if token in self.spec.eos_ids or token == self.spec.mask_id:
-                new = new[:offset]
-                break
+        new = completion(settled[self.emitted[row]:], self.stop_ids)
         self.emitted[row] += len(new)
         if reason is not None:
             self.finish_reason[row] = reason
@@ -335,7 +333,8 @@ class _Run:
         self.rows = self.rows[keep.cpu()]
 
     def result(self) -> GenerationResult:
-        rows = [RowOutput(self._completion(row), self.finish_reason[row], self.row_metrics[row])
+        rows = [RowOutput(completion(self.tokens[row].tolist(), self.stop_ids), self.finish_reason[row],
+                          self.row_metrics[row])
                 for row in range(self.batch)]
         metrics = GenerationMetrics(
             nfe=self.nfe, sequence_forwards=self.sequence_forwards,
@@ -345,9 +344,3 @@ class _Run:
             peak_memory_bytes=peak_memory_bytes(self.spec.device))
         return GenerationResult(self.tokens, rows, metrics)
 
-    def _completion(self, row: int) -> list[int]:
-        tokens = self.tokens[row].tolist()
-        for offset, token in enumerate(tokens):
-            if token in self.spec.eos_ids or token == self.spec.mask_id:
-                return tokens[:offset]
-        return tokens

@@ -20,10 +20,6 @@ class KVCache:
                                    dtype=spec.dtype, device=spec.device)
         self.length = 0  # canvas positions [0, length) hold valid K/V
 
-    @property
-    def nbytes(self) -> int:
-        return self.storage.numel() * self.storage.element_size()
-
     def write(self, window_kv: Tensor, start: int, end: int, *, window_start: int) -> None:
         """Store the K/V of canvas positions [start, end) from a step over a window at window_start."""
         self.storage[:, :, :, :, start:end] = window_kv[:, :, :, :, start - window_start:end - window_start]

@@ -22,10 +22,10 @@ def encode(model: Denoiser, text: str) -> list[int]:
                             f"({detail})") from None
 
 
-def completion(tokens: Sequence[int], eos_ids: Sequence[int]) -> list[int]:
-    """Generated ids up to (not including) the first end-of-sequence token."""
+def completion(tokens: Sequence[int], stop_ids: Sequence[int]) -> list[int]:
+    """Generated ids up to (not including) the first stop id (end-of-sequence tokens)."""
     tokens = list(tokens)
-    ends = [i for i, t in enumerate(tokens) if t in eos_ids]
+    ends = [i for i, t in enumerate(tokens) if t in stop_ids]
     return tokens[:ends[0]] if ends else tokens
 
 
