@@ -110,10 +110,14 @@ def test_llada2_policy_decodes_as_llada2s_generate(llada2, cache, threshold, ste
 
 @pytest.mark.parametrize("policy", [LLaDA2(0.3, 4), Threshold(0.3), Fixed(12), Factor(2.0)],
                          ids=["llada2", "threshold", "fixed", "factor"])
-def test_block_causal_cache_modes_give_the_tokens_of_no_cache(llada2, policy):
-    settings = GenerationSettings(12, 4, policy, ignore_eos=True)
-    expected = run(llada2, PROMPTS, settings).tokens
-    cached = run(llada2, PROMPTS, GenerationSettings(12, 4, policy, ignore_eos=True, cache="prefix")).tokens
+@pytest.mark.parametrize("variant", ["base", "orl", "guided"])
+def test_block_causal_cache_modes_give_the_tokens_of_no_cache(llada2, policy, variant):
+    model = random_model(config(LLADA2, residual_context=ORL), seed=5) if variant == "orl" else llada2
+    cfg_scale = 1.0 if variant == "guided" else 0.0
+    settings = GenerationSettings(12, 4, policy, ignore_eos=True, cfg_scale=cfg_scale)
+    expected = run(model, PROMPTS, settings).tokens
+    cached = run(model, PROMPTS, GenerationSettings(12, 4, policy, ignore_eos=True, cfg_scale=cfg_scale,
+                                                    cache="prefix")).tokens
     assert torch.equal(cached, expected)
 
 
@@ -141,11 +145,34 @@ def test_block_causal_cache_writes_each_finished_block_once(llada2):
 
 # -- bidirectional caches are approximations; with one step per block they are exact -----------------
 @pytest.mark.parametrize("cache", ["prefix", "dual"])
-def test_bidirectional_caches_refresh_at_each_block(llada, cache):
-    settings = GenerationSettings(12, 4, Fixed(3), ignore_eos=True)  # one step per block: always a refresh
-    expected = run(llada, PROMPTS, settings).tokens
-    got = run(llada, PROMPTS, GenerationSettings(12, 4, Fixed(3), cache=cache, ignore_eos=True)).tokens
+@pytest.mark.parametrize("model_name, cfg_scale", [("llada", 0.0), ("orl", 0.0), ("llada", 1.0)])
+def test_bidirectional_caches_refresh_at_each_block(request, cache, model_name, cfg_scale):
+    model = request.getfixturevalue(model_name)
+    settings = GenerationSettings(12, 4, Fixed(3), ignore_eos=True, cfg_scale=cfg_scale)  # one step per block
+    expected = run(model, PROMPTS, settings).tokens
+    got = run(model, PROMPTS, GenerationSettings(12, 4, Fixed(3), cache=cache, ignore_eos=True,
+                                                 cfg_scale=cfg_scale)).tokens
     assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("cache", ["prefix", "dual"])
+def test_a_fresh_cache_gives_the_logits_of_a_full_forward(llada, cache):
+    """Right after a refresh, a windowed step over the cached K/V sees exactly what a full forward sees."""
+    from dlmrt.export.models.denoiser import PastKV
+
+    ids = torch.tensor([[5, 6, 7, MASK, MASK, MASK, MASK, MASK, MASK, MASK, MASK]])
+    full = llada.denoise(ids, return_kv=True)
+    start, end = 3, 7
+    if cache == "prefix":
+        keys = torch.arange(start)
+        window = slice(start, ids.shape[1])
+    else:
+        keys = torch.cat((torch.arange(start), torch.arange(end, ids.shape[1])))
+        window = slice(start, end)
+    positions = torch.arange(ids.shape[1])[None]
+    out = llada.denoise(ids[:, window], positions=positions[:, window],
+                        past=PastKV(full.kv.index_select(4, keys), positions[:, keys]))
+    torch.testing.assert_close(out.logits, full.logits[:, window], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("cache", ["prefix", "dual"])
