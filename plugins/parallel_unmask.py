@@ -85,12 +85,16 @@ def uniform(seed: Tensor, step: Tensor, positions: Tensor, index: Tensor) -> Ten
     return (h.to(torch.float64) + 0.5) / 2.0**32
 
 
-def candidates(logits: Tensor, params: UnmaskParams, positions: Tensor, mask_id: int) -> Tensor:
+def candidates(logits: Tensor, params: UnmaskParams, positions: Tensor, mask_id: int,
+               sampling: bool | None = None) -> Tensor:
     """x0 `[B, W]`: the argmax, or a Gumbel-max sample for rows with temperature > 0. The mask token
-    is never a candidate: committing it would leave the position masked."""
+    is never a candidate: committing it would leave the position masked. `sampling=False` promises
+    that every temperature is 0 (skipping the noise without reading the temperatures back)."""
     logits = logits.index_fill(-1, torch.tensor([mask_id], device=logits.device), float("-inf"))
     temperature = params.temperature
-    if not bool((temperature > 0).any()):
+    if sampling is None:
+        sampling = bool((temperature > 0).any())
+    if not sampling:
         return logits.argmax(-1)
     vocab = torch.arange(logits.shape[-1], device=logits.device)
     noise = uniform(params.seed, params.step, positions, vocab)
@@ -132,10 +136,11 @@ def commit_count(ranked: Tensor, masked: Tensor, params: UnmaskParams) -> Tensor
 
 
 def parallel_unmask(logits: Tensor, ids: Tensor, positions: Tensor, params: UnmaskParams, *,
-                    mask_id: int, confidence: str = "prob") -> UnmaskResult:
-    """One step: logits `[B, W, V]` (float32), ids and positions `[B, W]`, params `[B]` each."""
+                    mask_id: int, confidence: str = "prob", sampling: bool | None = None) -> UnmaskResult:
+    """One step: logits `[B, W, V]` (float32), ids and positions `[B, W]`, params `[B]` each.
+    `sampling`: whether any row has temperature > 0, when the caller knows (saves a device sync)."""
     is_masked = ids == mask_id
-    x0 = candidates(logits, params, positions, mask_id)
+    x0 = candidates(logits, params, positions, mask_id, sampling)
     conf = confidence_of(logits, x0, confidence, params, positions, mask_id)
     conf = torch.where(is_masked, conf, float("-inf"))
     ranked, order = conf.sort(dim=-1, descending=True, stable=True)

@@ -74,6 +74,7 @@ class StepInputs:
     return_kv: bool
     cfg_scale: float
     confidence: str
+    sampling: bool  # whether any row has temperature > 0
     grid: int | None  # the block-causal grid, for block-diffusion models
 
     def shapes(self) -> StepShapes:

@@ -258,7 +258,8 @@ class _Run:
             z=None if self.z is None else self.z[:, window],
             certainty=None if self.certainty is None else self.certainty[:, window],
             return_kv=cache_write is not None, cfg_scale=self.settings.cfg_scale,
-            confidence=self.settings.policy.confidence, grid=self.block_causal_grid)
+            confidence=self.settings.policy.confidence, sampling=self.settings.temperature > 0,
+            grid=self.block_causal_grid)
         return _PlannedStep(inputs, window_start, cache_write)
 
     # -- rows finishing -----------------------------------------------------------------------

@@ -78,7 +78,8 @@ class TorchBackend(Backend):
             cond, uncond = logits.chunk(2)
             logits = uncond + (inputs.cfg_scale + 1) * (cond - uncond)
         result = parallel_unmask(logits, inputs.ids[:, block], inputs.positions[:, block], inputs.params,
-                                 mask_id=self.spec.mask_id, confidence=inputs.confidence)
+                                 mask_id=self.spec.mask_id, confidence=inputs.confidence,
+                                 sampling=inputs.sampling)
 
         buffers.ids.copy_(inputs.ids)
         buffers.ids[:, block] = result.ids
