@@ -133,7 +133,8 @@ def lengths_from_options(model, gen_length: int | None, block_length: int | None
         gen_length = model.generation_config.get("gen_length", 128)
     if block_length is None:
         default_block = model.generation_config.get("block_length", model.default_block_length or gen_length)
-        block_length = default_block if default_block > 0 and gen_length % default_block == 0 else gen_length
+        fits = model.block_causal or gen_length % default_block == 0  # block-causal: any length on its grid
+        block_length = default_block if default_block > 0 and fits else gen_length
     return gen_length, block_length
 
 

@@ -36,11 +36,14 @@ class GenerationSettings:
         steps = self.policy.block_steps(self)
         return steps if self.max_block_steps is None else min(steps, self.max_block_steps)
 
-    def validate(self) -> None:
+    def validate(self, block_causal: bool = False) -> None:
+        """Raise ArgumentError for settings that cannot work. Block-causal models place blocks on
+        their absolute grid, so there any gen-length works, except under the fixed policy, whose
+        steps are shared out over gen-length / block-length blocks."""
         for name in ("gen_length", "block_length"):
             if getattr(self, name) <= 0:
                 raise ArgumentError(f"{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        if self.gen_length % self.block_length:
+        if self.gen_length % self.block_length and not (block_causal and not isinstance(self.policy, Fixed)):
             raise ArgumentError(f"gen-length ({self.gen_length}) must be divisible by block-length "
                                 f"({self.block_length})")
         if self.max_block_steps is not None and self.max_block_steps <= 0:
@@ -58,7 +61,7 @@ class GenerationSettings:
 
 def check_request(spec: ModelSpec, prompts: Sequence[Sequence[int]], settings: GenerationSettings) -> None:
     """Every check that can fail, before any compute."""
-    settings.validate()
+    settings.validate(spec.block_causal)
     if settings.cache == "dual" and spec.block_causal:
         raise ArgumentError(f"cache mode 'dual' does not apply to {spec.name}: it is block-causal, so no "
                             f"block sees what follows it and there is no suffix to cache; --cache prefix "

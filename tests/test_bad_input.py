@@ -176,6 +176,14 @@ def test_bad_policy_settings(model, settings, expected):
         Generator(model).generate([[5, 6]], GenerationSettings(8, 8, **settings))
 
 
+def test_block_causal_models_need_whole_blocks_only_under_the_fixed_policy():
+    model = random_model(LLADA2)
+    with pytest.raises(ArgumentError, match=r"gen-length \(10\) must be divisible by block-length \(4\)"):
+        Generator(model).generate([[5, 6]], GenerationSettings(10, 4, Fixed(10)))
+    assert len(Generator(model).generate([[5, 6]], GenerationSettings(10, 4, LLaDA2(), ignore_eos=True))
+               .tokens[0]) == 10
+
+
 def test_dual_cache_is_refused_for_block_causal_models():
     with pytest.raises(ArgumentError, match="cache mode 'dual' does not apply to llada2_moe: it is block-causal"):
         Generator(random_model(LLADA2)).generate([[5, 6]], GenerationSettings(8, 8, cache="dual"))

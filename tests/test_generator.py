@@ -100,12 +100,13 @@ def llada2_generate(model, prompt, gen_length, block_length, steps, threshold):
 
 
 @pytest.mark.parametrize("cache", ["none", "prefix"])
-@pytest.mark.parametrize("threshold, steps", [(0.95, 4), (0.2, 4), (0.05, 2)])
-def test_llada2_policy_decodes_as_llada2s_generate(llada2, cache, threshold, steps):
-    settings = GenerationSettings(12, 4, LLaDA2(threshold, steps), cache=cache)
+@pytest.mark.parametrize("gen_length, threshold, steps", [(12, 0.95, 4), (12, 0.2, 4), (12, 0.05, 2),
+                                                         (10, 0.2, 4)])
+def test_llada2_policy_decodes_as_llada2s_generate(llada2, cache, gen_length, threshold, steps):
+    settings = GenerationSettings(gen_length, 4, LLaDA2(threshold, steps), cache=cache)
     for prompt in ([5, 6, 7], [5, 6, 7, 8], [5, 6, 7, 8, 9, 10, 11, 12, 13]):
         got = run(llada2, [prompt], settings).rows[0].token_ids
-        assert got == llada2_generate(llada2, prompt, 12, 4, steps, threshold), prompt
+        assert got == llada2_generate(llada2, prompt, gen_length, 4, steps, threshold), prompt
 
 
 @pytest.mark.parametrize("policy", [LLaDA2(0.3, 4), Threshold(0.3), Fixed(12), Factor(2.0)],
