@@ -35,6 +35,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 CONFIDENCE_MEASURES = ("prob", "margin", "entropy", "random")
+# A graph takes the measure as a per-row int64 input with these codes.
+MEASURE_CODES = {measure: code for code, measure in enumerate(CONFIDENCE_MEASURES)}
 
 _MASK32 = 0xFFFFFFFF
 # Multipliers below 2**31, so that a 32-bit value times one stays inside int64.
@@ -103,9 +105,17 @@ def candidates(logits: Tensor, params: UnmaskParams, positions: Tensor, mask_id:
     return torch.where(t > 0, scores, logits.to(torch.float64)).argmax(-1)
 
 
-def confidence_of(logits: Tensor, x0: Tensor, measure: str, params: UnmaskParams, positions: Tensor,
+def confidence_of(logits: Tensor, x0: Tensor, measure: str | Tensor, params: UnmaskParams, positions: Tensor,
                   mask_id: int) -> Tensor:
-    """float32 `[B, W]` confidence of each candidate."""
+    """float32 `[B, W]` confidence of each candidate; `measure` is a name for every row, or each row's
+    code (MEASURE_CODES) as an int64 tensor `[B]`."""
+    if isinstance(measure, Tensor):
+        per_row = torch.empty(x0.shape, dtype=torch.float32, device=x0.device)
+        for name, code in MEASURE_CODES.items():
+            rows = measure == code
+            per_row = torch.where(rows[:, None], confidence_of(logits, x0, name, params, positions, mask_id),
+                                  per_row)
+        return per_row
     if measure == "random":
         salt = torch.tensor(_RANDOM_CONFIDENCE_SALT, device=logits.device)
         u = uniform(params.seed, params.step, positions, salt)
@@ -136,7 +146,7 @@ def commit_count(ranked: Tensor, masked: Tensor, params: UnmaskParams) -> Tensor
 
 
 def parallel_unmask(logits: Tensor, ids: Tensor, positions: Tensor, params: UnmaskParams, *,
-                    mask_id: int, confidence: str = "prob", sampling: bool | None = None) -> UnmaskResult:
+                    mask_id: int, confidence: str | Tensor = "prob", sampling: bool | None = None) -> UnmaskResult:
     """One step: logits `[B, W, V]` (float32), ids and positions `[B, W]`, params `[B]` each.
     `sampling`: whether any row has temperature > 0, when the caller knows (saves a device sync)."""
     is_masked = ids == mask_id
