@@ -7,9 +7,9 @@ parallel unmasking of the block inside that window (DESIGN.md, "Step graph"):
              and its positions [B', P], the block's offset in the window, per-row policy
              parameters [B], prompt lengths [B] (for guidance), and for ORL models z [B', W, H]
              with its certainty [B', W]
-    outputs  the window's ids after unmasking [B, W], confidence and commit mask of the block
-             [B, block], and on request the window's K/V [L, 2, B', Hkv, W, D]; for ORL models
-             the next z and certainty
+    outputs  the block's ids after unmasking, its confidence and commit mask [B, block], the
+             per-row commit count [B], the window's K/V [L, 2, B', Hkv, W, D] (on request), and
+             for ORL models the next z and certainty [B', W, ...]
 
 B' is B, or 2B with classifier-free guidance (the unconditional rows follow the
 conditional ones). The loop never knows which backend runs the step.
@@ -45,6 +45,11 @@ class ModelSpec:
     has_residual: bool
     dtype: torch.dtype
     device: torch.device
+    # What a compiled backend was built for (None: no limit), and how to lift its limits.
+    max_batch: int | None = None
+    limits_hint: str = ""
+    block_grid: int | None = None  # the block-causal grid a compiled graph was built with
+    supports_guidance: bool = True
 
 
 class StepShapes(NamedTuple):
@@ -84,7 +89,7 @@ class StepInputs:
 
 
 class StepOutputs(NamedTuple):
-    ids: Tensor  # [B, W]
+    ids: Tensor  # [B, block]
     confidence: Tensor  # [B, block]
     commit: Tensor  # [B, block]
     committed: Tensor  # [B]

@@ -209,8 +209,9 @@ class _Run:
         out = self.backend.step(planned.inputs)
         self.backend.synchronize()
         spent = time.perf_counter() - tick
-        window = slice(planned.window_start, planned.window_start + out.ids.shape[1])
-        self.canvas[:, window] = out.ids
+        block_start = planned.window_start + planned.inputs.block_offset
+        self.canvas[:, block_start:block_start + out.ids.shape[1]] = out.ids
+        window = slice(planned.window_start, planned.window_start + planned.inputs.ids.shape[1])
         if self.z is not None:
             self.z[:, window] = out.z
             self.certainty[:, window] = out.certainty

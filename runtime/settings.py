@@ -69,8 +69,18 @@ def check_request(spec: ModelSpec, prompts: Sequence[Sequence[int]], settings: G
     if isinstance(settings.policy, Residual) and not spec.has_residual:
         raise ArgumentError(f"policy 'residual' needs an ORL model (a residual_context entry in "
                             f"config.json); {spec.name} has none: use --policy threshold or factor")
+    if settings.cfg_scale > 0 and not spec.supports_guidance:
+        raise ArgumentError("classifier-free guidance is not part of the exported step graphs yet: use the "
+                            "torch backend for --cfg-scale")
+    if spec.block_grid is not None and spec.block_causal and settings.block_length != spec.block_grid:
+        raise ArgumentError(f"{spec.name} was exported for blocks of {spec.block_grid} (its block-causal "
+                            f"attention is built in): generate with block-length {spec.block_grid}, or "
+                            f"re-export with --block-length {settings.block_length}")
     if not prompts:
         raise ArgumentError("no prompt given")
+    if spec.max_batch is not None and len(prompts) > spec.max_batch:
+        raise ArgumentError(f"{len(prompts)} prompts exceed the batch limit of {spec.max_batch}: "
+                            f"{spec.limits_hint or 'split the batch'}")
     for row, prompt in enumerate(prompts):
         if len(prompt) == 0:
             raise ArgumentError(f"prompt {row} is empty")
@@ -85,6 +95,7 @@ def check_request(spec: ModelSpec, prompts: Sequence[Sequence[int]], settings: G
         if spec.block_causal:  # denoising runs to the end of the last block
             needed = -(-needed // settings.block_length) * settings.block_length
         if needed > spec.max_positions:
+            hint = f": {spec.limits_hint}" if spec.limits_hint else ""
             raise ArgumentError(f"prompt {row} ({len(prompt)} tokens) + gen-length ({settings.gen_length}) "
                                 f"needs {needed} positions, more than the model's context of "
-                                f"{spec.max_positions}")
+                                f"{spec.max_positions}{hint}")

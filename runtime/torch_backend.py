@@ -48,7 +48,7 @@ class TorchBackend(Backend):
             z = torch.empty(rows, shapes.window, s.hidden_size, dtype=s.dtype, device=device)
             certainty = torch.empty(rows, shapes.window, dtype=s.dtype, device=device)
         self._buffers[shapes] = StepOutputs(
-            ids=torch.empty(shapes.batch, shapes.window, dtype=torch.long, device=device),
+            ids=torch.empty(shapes.batch, shapes.block, dtype=torch.long, device=device),
             confidence=torch.empty(shapes.batch, shapes.block, dtype=torch.float32, device=device),
             commit=torch.empty(shapes.batch, shapes.block, dtype=torch.bool, device=device),
             committed=torch.empty(shapes.batch, dtype=torch.long, device=device),
@@ -81,8 +81,7 @@ class TorchBackend(Backend):
                                  mask_id=self.spec.mask_id, confidence=inputs.confidence,
                                  sampling=inputs.sampling)
 
-        buffers.ids.copy_(inputs.ids)
-        buffers.ids[:, block] = result.ids
+        buffers.ids.copy_(result.ids)
         buffers.confidence.copy_(result.confidence)
         buffers.commit.copy_(result.commit)
         buffers.committed.copy_(result.committed)

@@ -114,7 +114,8 @@ class Denoiser(nn.Module, ABC):
                 key_mask: Tensor | None = None, past: PastKV | None = None,
                 residual: Residual | None = None, return_kv: bool = False,
                 block_length: int | None = None,
-                logits_range: tuple[int, int] | None = None) -> DenoiserOutput:
+                logits_range: tuple[int, int] | None = None,
+                logits_index: Tensor | None = None) -> DenoiserOutput:
         """One denoising forward.
 
         positions: `[B, T]`; by default each row counts its unpadded tokens from 0.
@@ -124,6 +125,7 @@ class Denoiser(nn.Module, ABC):
         block_length: the block-causal grid, for block-diffusion families.
         logits_range: return logits only for window positions [start, end) (the next residual
             of an ORL model still covers the whole window).
+        logits_index: the same as window indices `[n]` (int64), for graphs whose block moves.
         """
         batch, length = input_ids.shape
         prefix = 0 if past is None else past.kv.shape[4]
@@ -149,10 +151,16 @@ class Denoiser(nn.Module, ABC):
             if return_kv:
                 window_kv.append(torch.stack(kv))
         kv = torch.stack(window_kv) if return_kv else None
-        start, end = logits_range or (0, length)
+
+        def wanted(t: Tensor) -> Tensor:
+            if logits_index is not None:
+                return t.index_select(1, logits_index)
+            start, end = logits_range or (0, length)
+            return t[:, start:end]
+
         if self.residual_config is None:
-            return DenoiserOutput(self.head(x[:, start:end]), kv, None)
+            return DenoiserOutput(self.head(wanted(x)), kv, None)
         logits = self.head(x)
         next_residual = residual_context.next_residual(
             logits, self.input_embedding().weight, self.residual_config.topk)
-        return DenoiserOutput(logits[:, start:end], kv, next_residual)
+        return DenoiserOutput(wanted(logits), kv, next_residual)

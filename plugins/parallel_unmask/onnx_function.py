@@ -162,3 +162,19 @@ def standalone_model(mask_id: int, opset: int = 18) -> onnx.ModelProto:
     return onnx.helper.make_model(
         graph, functions=function_protos(),
         opset_imports=[onnx.helper.make_opsetid("", opset), onnx.helper.make_opsetid(DOMAIN, VERSION)])
+
+
+class _NodeOpset(Opset):
+    """The dlmrt domain as bare nodes (by schema), apart from the functions registered on `dlmrt`."""
+
+
+register_schema()
+_nodes = _NodeOpset(DOMAIN, VERSION)
+
+
+def parallel_unmask_translation(logits, ids, positions, count, threshold, factor, temperature, seed, step,
+                                measure, mask_id: int):
+    """How torch.onnx.export writes `torch.ops.dlmrt.parallel_unmask` (traced, not scripted): as one
+    dlmrt node; `attach` adds its function and plugin attributes after export."""
+    return _nodes.ParallelUnmask(logits, ids, positions, count, threshold, factor, temperature, seed, step,
+                                 measure, mask_id=mask_id)

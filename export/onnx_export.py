@@ -1,0 +1,189 @@
+"""`dlmrt export`: the step graphs of a denoiser as ONNX, with a manifest (`dlmrt.json`).
+
+    OUT_DIR/step_full.onnx     the step without a cached prefix
+    OUT_DIR/step_cached.onnx   the step over a cached prefix
+    OUT_DIR/dlmrt.json         model, graphs and their input/output contract, special token ids,
+                               dimension limits, opset, and the sha256 of every file
+
+Batch, window, prefix and block lengths are dynamic up to the limits recorded in the manifest. The
+`dlmrt::ParallelUnmask` node carries `plugin_namespace`, and the model carries its ONNX local
+function, so ONNX Runtime runs the files as they are. The directory is written atomically: an
+export killed midway leaves no directory that loads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import onnx
+import torch
+
+from dlmrt import __version__, atomic
+from dlmrt.errors import ArgumentError, UnsupportedFeatureError
+from dlmrt.export.models import Denoiser
+from dlmrt.export.step_graph import GRAPHS, StepGraph, input_names, output_names
+from dlmrt.plugins.parallel_unmask import MEASURE_CODES, onnx_function
+
+MANIFEST = "dlmrt.json"
+FORMAT_VERSION = 1
+DEFAULT_OPSET = 18
+# Beyond this, weights go to external data files (protobuf caps a file at 2 GiB).
+EXTERNAL_DATA_BYTES = 1 << 30
+EXPORTABLE_FAMILIES = ("llada",)
+
+
+def graph_file(graph: str) -> str:
+    return f"step_{graph}.onnx"
+
+
+def check_exportable(model: Denoiser) -> None:
+    """Refuse, before anything is written, what the exporter cannot trace into a static graph."""
+    if model.model_type not in EXPORTABLE_FAMILIES:
+        raise UnsupportedFeatureError(
+            f"exporting {model.model_type} models is not supported yet: its mixture-of-experts layer picks "
+            f"experts with data-dependent control flow (exportable families: {', '.join(EXPORTABLE_FAMILIES)})")
+    if model.tokens is None:
+        raise ArgumentError(f"{model.name} has no mask token id: load it with dlmrt.load")
+
+
+def _example_inputs(model: Denoiser, graph: str, batch: int = 2, window: int = 6, prefix: int = 3,
+                    block: int = 4) -> dict[str, torch.Tensor]:
+    device, dtype = model.device, model.dtype
+    long = dict(dtype=torch.long, device=device)
+    values = {
+        "ids": torch.full((batch, window), model.tokens.mask_id, **long),
+        "positions": (torch.arange(window, **long) + prefix).repeat(batch, 1),
+        "key_mask": torch.ones(batch, window, dtype=torch.bool, device=device),
+        "block_index": torch.arange(block, **long),
+        "count": torch.ones(batch, **long),
+        "threshold": torch.full((batch,), 0.9, device=device),
+        "factor": torch.zeros(batch, device=device),
+        "temperature": torch.zeros(batch, device=device),
+        "seed": torch.zeros(batch, **long),
+        "step": torch.zeros(batch, **long),
+        "measure": torch.full((batch,), MEASURE_CODES["prob"], **long),
+    }
+    if graph == "cached":
+        values["past_kv"] = torch.zeros(model.num_layers, 2, batch, model.num_kv_heads, prefix, model.head_dim,
+                                        dtype=dtype, device=device)
+        values["past_positions"] = torch.arange(prefix, **long).repeat(batch, 1)
+        values["past_key_mask"] = torch.ones(batch, prefix, dtype=torch.bool, device=device)
+    if model.residual_config is not None:
+        values["z"] = torch.zeros(batch, window, model.hidden_size, dtype=dtype, device=device)
+        values["certainty"] = torch.zeros(batch, window, dtype=dtype, device=device)
+    return values
+
+
+def _dynamic_shapes(graph: str, names: list[str], max_batch: int, max_length: int) -> dict[str, dict]:
+    batch = torch.export.Dim("batch", min=1, max=max_batch)
+    window = torch.export.Dim("window", min=1, max=max_length)
+    block = torch.export.Dim("block", min=1, max=max_length)
+    prefix = torch.export.Dim("prefix", min=1, max=max_length)
+    shapes = {"ids": {0: batch, 1: window}, "positions": {0: batch, 1: window}, "key_mask": {0: batch, 1: window},
+              "block_index": {0: block}, "past_kv": {2: batch, 4: prefix}, "past_positions": {0: batch, 1: prefix},
+              "past_key_mask": {0: batch, 1: prefix}, "z": {0: batch, 1: window}, "certainty": {0: batch, 1: window}}
+    return {name: shapes.get(name, {0: batch}) for name in names}
+
+
+def attach_custom_op(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Give every dlmrt::ParallelUnmask node its plugin attributes, and the model the op's functions."""
+    for node in model.graph.node:
+        if (node.domain, node.op_type) == (onnx_function.DOMAIN, onnx_function.OP_TYPE):
+            present = {a.name for a in node.attribute}
+            for name, value in (("plugin_namespace", onnx_function.DOMAIN),
+                                ("plugin_version", onnx_function.PLUGIN_VERSION)):
+                if name not in present:
+                    node.attribute.append(onnx.helper.make_attribute(name, value))
+    known = {(f.domain, f.name) for f in model.functions}
+    model.functions.extend(f for f in onnx_function.function_protos() if (f.domain, f.name) not in known)
+    return model
+
+
+def export_graph(model: Denoiser, graph: str, grid: int | None, opset: int, max_batch: int,
+                 max_length: int) -> onnx.ModelProto:
+    residual = model.residual_config is not None
+    names = input_names(graph, residual)
+    examples = _example_inputs(model, graph)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")  # the exporter's notes on dimension names are not the user's concern
+        program = torch.onnx.export(
+            StepGraph(model, graph, grid).eval(), (), kwargs={name: examples[name] for name in names},
+            dynamo=True, dynamic_shapes=_dynamic_shapes(graph, names, max_batch, max_length),
+            opset_version=opset, input_names=names, output_names=output_names(residual), verbose=False,
+            custom_translation_table={
+                torch.ops.dlmrt.parallel_unmask.default: onnx_function.parallel_unmask_translation})
+    onnx_model = attach_custom_op(program.model_proto)
+    onnx_model.producer_name, onnx_model.producer_version = "dlmrt", __version__
+    return onnx_model
+
+
+def _tensor_contract(values) -> list[dict]:
+    contract = []
+    for value in values:
+        tensor = value.type.tensor_type
+        shape = [d.dim_param or d.dim_value for d in tensor.shape.dim]
+        contract.append({"name": value.name, "dtype": onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type).name,
+                         "shape": shape})
+    return contract
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def export(model: Denoiser, out_dir: str | Path, *, opset: int = DEFAULT_OPSET, block_length: int | None = None,
+           max_batch: int = 64, max_length: int | None = None,
+           on_graph: Callable[[str], None] | None = None) -> Path:
+    """Write the step graphs of `model` and their manifest to `out_dir` (atomically)."""
+    check_exportable(model)
+    if opset < 18:
+        raise ArgumentError(f"opset {opset} is too old: the step graph needs opset 18 or newer")
+    max_length = model.max_positions if max_length is None else max_length
+    if not 0 < max_length <= model.max_positions:
+        raise ArgumentError(f"max-length must lie in [1, {model.max_positions}] (the model's context), "
+                            f"got {max_length}")
+    if max_batch <= 0:
+        raise ArgumentError(f"max-batch must be positive, got {max_batch}")
+    grid = (block_length or model.default_block_length) if model.block_causal else None
+    onnx_function.register_schema()
+    started = time.perf_counter()
+    out_dir = Path(out_dir)
+    with atomic.directory(out_dir) as staging:
+        graphs = {}
+        for graph in GRAPHS:
+            onnx_model = export_graph(model, graph, grid, opset, max_batch, max_length)
+            path = staging / graph_file(graph)
+            large = onnx_model.ByteSize() > EXTERNAL_DATA_BYTES
+            onnx.save_model(onnx_model, path, save_as_external_data=large, all_tensors_to_one_file=True,
+                            location=f"{path.name}.data")
+            onnx.checker.check_model(path, full_check=True)
+            graphs[graph] = {"file": path.name, "inputs": _tensor_contract(onnx_model.graph.input),
+                             "outputs": _tensor_contract(onnx_model.graph.output)}
+            if on_graph is not None:
+                on_graph(graph)
+        files = {p.name: sha256_of(p) for p in sorted(staging.iterdir()) if p.is_file()}
+        manifest = {
+            "format_version": FORMAT_VERSION, "dlmrt_version": __version__, "torch_version": torch.__version__,
+            "onnx_version": onnx.__version__, "opset": opset, "exported_s": round(time.perf_counter() - started, 2),
+            "model": {"name": model.name, "model_type": model.model_type, "dtype": str(model.dtype).split(".")[-1],
+                      "vocab_size": model.vocab_size, "hidden_size": model.hidden_size,
+                      "num_layers": model.num_layers, "num_kv_heads": model.num_kv_heads,
+                      "head_dim": model.head_dim, "max_positions": model.max_positions,
+                      "block_causal": model.block_causal, "block_grid": grid,
+                      "residual": model.residual_config is not None},
+            "tokens": {"mask_id": model.tokens.mask_id, "eos_ids": list(model.tokens.eos_ids),
+                       "pad_id": model.tokens.pad_id},
+            "limits": {"max_batch": max_batch, "max_length": max_length},
+            "graphs": graphs, "files": files,
+        }
+        atomic.write_text(staging / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+    return out_dir
