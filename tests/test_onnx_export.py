@@ -1,0 +1,143 @@
+"""ONNX export of the step graphs and the ONNX Runtime backend: same tokens as the torch backend, a
+checked manifest, limits, and exports that never leave a half-written directory."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("onnxruntime", reason="the ONNX path needs the 'onnx' extra")
+
+import dlmrt  # noqa: E402
+from dlmrt import tasks  # noqa: E402
+from dlmrt.errors import ArgumentError, CheckpointError, UnsupportedFeatureError  # noqa: E402
+from dlmrt.export import onnx_export  # noqa: E402
+from dlmrt.runtime import Factor, Fixed, GenerationSettings, Generator, LLaDA2, Residual, Threshold, text  # noqa: E402
+from dlmrt.runtime.ort_backend import OrtBackend  # noqa: E402
+from helpers import LLADA, LLADA2, ORL, config, random_model  # noqa: E402
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19, 20]]
+POLICIES = [Fixed(12), Fixed(6), Fixed(12, "random"), Threshold(0.3), Threshold(0.3, "margin"),
+            Factor(2.0, "entropy"), LLaDA2(0.3, 4)]
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """(torch model, export directory) for the tiny model and random llada configs, ORL among them."""
+    models = {"tiny": dlmrt.load(), "llada": random_model(LLADA),
+              "orl": random_model(config(LLADA, residual_context=ORL), seed=3)}
+    root = tmp_path_factory.mktemp("exports")
+    return {name: (model, onnx_export.export(model, root / name, max_batch=8, max_length=48))
+            for name, model in models.items()}
+
+
+@pytest.mark.parametrize("name", ["llada", "orl"])
+@pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
+def test_ort_gives_the_torch_tokens_for_every_policy(exported, name, cache):
+    model, directory = exported[name]
+    ort_generator, torch_generator = Generator(OrtBackend(directory)), Generator(model)
+    for policy in POLICIES:
+        for temperature in (0.0, 0.8):
+            settings = GenerationSettings(12, 4, policy, cache=cache, temperature=temperature, seed=3)
+            expected = torch_generator.generate(PROMPTS, settings)
+            got = ort_generator.generate(PROMPTS, settings)
+            assert torch.equal(got.tokens, expected.tokens), (policy, temperature)
+            assert got.metrics.nfe == expected.metrics.nfe
+
+
+@pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
+def test_ort_gives_the_torch_tokens_on_the_tiny_model(exported, cache):
+    model, directory = exported["tiny"]
+    prompts = [text.encode(model, e.prompt) for e in tasks.examples("test", 8, seed=5)]
+    ort_generator, torch_generator = Generator(OrtBackend(directory)), Generator(model)
+    for policy in (Fixed(16), Threshold(0.9), Factor(1.0)):
+        settings = GenerationSettings(16, 8, policy, cache=cache)
+        for start in range(0, len(prompts), 8):  # the export's batch limit
+            batch = prompts[start:start + 8]
+            assert torch.equal(ort_generator.generate(batch, settings).tokens,
+                               torch_generator.generate(batch, settings).tokens)
+
+
+def test_manifest_records_the_contract(exported):
+    model, directory = exported["orl"]
+    manifest = json.loads((directory / onnx_export.MANIFEST).read_text())
+    assert manifest["opset"] == 18 and manifest["model"]["residual"] is True
+    assert manifest["tokens"]["mask_id"] == model.tokens.mask_id
+    assert manifest["limits"] == {"max_batch": 8, "max_length": 48}
+    assert set(manifest["files"]) == {"step_full.onnx", "step_cached.onnx"}
+    cached = manifest["graphs"]["cached"]
+    assert [i["name"] for i in cached["inputs"]][-5:] == ["past_kv", "past_positions", "past_key_mask", "z",
+                                                          "certainty"]
+    assert [o["name"] for o in cached["outputs"]] == ["new_ids", "confidence", "commit", "committed", "kv",
+                                                      "next_z", "next_certainty"]
+
+
+def test_the_custom_node_and_its_function_are_in_each_graph(exported):
+    import onnx
+
+    _, directory = exported["llada"]
+    for graph in onnx_export.GRAPHS:
+        model = onnx.load(directory / onnx_export.graph_file(graph))
+        nodes = [n for n in model.graph.node if n.domain == "dlmrt"]
+        assert [n.op_type for n in nodes] == ["ParallelUnmask"]
+        attributes = {a.name: onnx.helper.get_attribute_value(a) for a in nodes[0].attribute}
+        assert attributes["plugin_namespace"] == b"dlmrt"
+        assert "ParallelUnmask" in {f.name for f in model.functions}
+
+
+def test_a_changed_file_is_refused(exported, tmp_path):
+    import shutil
+
+    _, directory = exported["llada"]
+    copy = shutil.copytree(directory, tmp_path / "copy")
+    path = copy / "step_cached.onnx"
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"step_cached.onnx was changed after export \(sha256"):
+        OrtBackend(copy)
+
+
+def test_limits_are_checked_before_compute(exported):
+    _, directory = exported["llada"]
+    generator = Generator(OrtBackend(directory))
+    with pytest.raises(ArgumentError, match=r"9 prompts exceed the batch limit of 8: re-export with `dlmrt export"):
+        generator.generate([[5, 6]] * 9, GenerationSettings(8, 4))
+    with pytest.raises(ArgumentError, match=r"needs 52 positions, more than the model's context of 48: re-export"):
+        generator.generate([[5] * 40], GenerationSettings(12, 4))
+    with pytest.raises(ArgumentError, match="classifier-free guidance is not part of the exported step graphs"):
+        generator.generate([[5, 6]], GenerationSettings(8, 4, cfg_scale=1.0))
+
+
+def test_unsupported_family_is_refused_before_anything_is_written(tmp_path):
+    with pytest.raises(UnsupportedFeatureError, match="exporting llada2_moe models is not supported yet"):
+        onnx_export.export(random_model(LLADA2), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_failed_export_leaves_no_directory(monkeypatch, tmp_path):
+    calls = []
+
+    def export_graph(*args, **kwargs):
+        calls.append(1)
+        raise KeyboardInterrupt  # as if the user stopped it after the first graph started
+
+    monkeypatch.setattr(onnx_export, "export_graph", export_graph)
+    with pytest.raises(KeyboardInterrupt):
+        onnx_export.export(random_model(LLADA), tmp_path / "out")
+    assert calls and not (tmp_path / "out").exists()
+    assert not list(tmp_path.iterdir())  # the staging directory is gone too
+
+
+def test_not_an_export_directory(tmp_path):
+    with pytest.raises(CheckpointError, match="is not a dlmrt export"):
+        OrtBackend(tmp_path)
+
+
+def test_residual_policy_runs_through_ort(exported):
+    model, directory = exported["orl"]
+    settings = GenerationSettings(12, 12, Residual(Threshold(0.3)), cache="dual")
+    assert torch.equal(Generator(OrtBackend(directory)).generate(PROMPTS, settings).tokens,
+                       Generator(model).generate(PROMPTS, settings).tokens)
