@@ -163,9 +163,10 @@ def settings_from_options(model, *, gen_length, block_length, policy, steps, rem
 @decoding_options
 @click.option("--ignore-eos", is_flag=True,
               help="Decode the full length after end-of-sequence, as the research scripts do.")
-@click.option("--backend", type=click.Choice(("torch", "reference")), default="torch", show_default=True,
-              help="torch: the step loop in eager PyTorch; reference: LLaDA's plain loop (fixed policy, "
-                   "no cache), the oracle the others are tested against.")
+@click.option("--backend", type=click.Choice(("torch", "ort", "reference")), default="torch", show_default=True,
+              help="torch: the step loop in eager PyTorch; ort: the exported ONNX step graphs in ONNX Runtime "
+                   "(--model is an export directory, or a model directory exported on first use); reference: "
+                   "LLaDA's plain loop (fixed policy, no cache), the oracle the others are tested against.")
 @click.option("--stream", is_flag=True, help="Print committed text block by block as it is decoded.")
 @click.option("--metrics", "show_metrics", is_flag=True, help="Print a metrics table on stderr.")
 @click.option("--json", "as_json", is_flag=True, help="Print outputs and metrics as JSON.")
@@ -184,10 +185,17 @@ def generate(model_dir, prompts, prompt_ids, ignore_eos, backend, stream, show_m
     import dlmrt
     from dlmrt.runtime import Generator, reference, text
 
-    model = dlmrt.load(model_dir or TINY_MODEL_DIR, dtype=dtype)
+    console = Console(stderr=True)
+    if backend == "ort":
+        from dlmrt.runtime.ort_backend import ExportedModel, OrtBackend
+
+        export_dir = ensure_exported(Path(model_dir or TINY_MODEL_DIR), dtype, console)
+        model, backend_impl = ExportedModel.load(export_dir), OrtBackend(export_dir)
+    else:
+        model = dlmrt.load(model_dir or TINY_MODEL_DIR, dtype=dtype)
+        backend_impl = model
     settings = settings_from_options(model, ignore_eos=ignore_eos, **decoding)
     batch = [text.encode(model, p) for p in prompts] if prompts else id_prompts
-    console = Console(stderr=True)
 
     if backend == "reference":
         if stream:
@@ -197,7 +205,7 @@ def generate(model_dir, prompts, prompt_ids, ignore_eos, backend, stream, show_m
         rows = [(ids, "eos" if len(ids) < settings.gen_length else "length") for ids in completions]
         metrics = out.metrics
     else:
-        generator = Generator(model)
+        generator = Generator(backend_impl)
         with step_progress(console) as advance:
             run = generator.stream(batch, settings, on_step=advance)
             for update in run:
@@ -218,7 +226,56 @@ def generate(model_dir, prompts, prompt_ids, ignore_eos, backend, stream, show_m
         console.print(metrics.table())
 
 
-def step_progress(console):
+def ensure_exported(model_dir: Path, dtype: str, console) -> Path:
+    """`model_dir` if it is an export, else its export in the cache (made on first use)."""
+    from dlmrt.export.onnx_export import MANIFEST, cached_export_dir, export
+
+    if (model_dir / MANIFEST).is_file():
+        return model_dir
+    target = cached_export_dir(model_dir, dtype)
+    if not (target / MANIFEST).is_file():
+        import dlmrt
+
+        with console.status(f"exporting {model_dir} to {target} (once)"):
+            export(dlmrt.load(model_dir, dtype=dtype), target)
+    return target
+
+
+@main.command("export")
+@click.argument("model_dir", type=click.Path(path_type=Path), required=False)
+@click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="The export directory.")
+@click.option("--opset", type=int, default=18, show_default=True, help="ONNX opset (18 or newer).")
+@click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default="float32", show_default=True,
+              help="Weights' dtype in the graphs (ONNX Runtime's CPU provider runs float32).")
+@click.option("--block-length", type=int, default=None,
+              help="Block-causal models: the block grid built into the graphs [default: the model's].")
+@click.option("--max-batch", type=int, default=64, show_default=True, help="Largest batch the graphs take.")
+@click.option("--max-length", type=int, default=None,
+              help="Longest canvas (prompt + generated) the graphs take [default: the model's context].")
+@reports_errors
+def export_command(model_dir, output, opset, dtype, block_length, max_batch, max_length):
+    """Export the step graphs of MODEL_DIR (default: the tiny model) to ONNX, with a manifest."""
+    from rich.console import Console
+    from rich.table import Table
+
+    import dlmrt
+    from dlmrt.export.onnx_export import GRAPHS, MANIFEST, export
+
+    console = Console(stderr=True)
+    model = dlmrt.load(model_dir or TINY_MODEL_DIR, dtype=dtype)
+    with step_progress(console, "exporting: graph {task.completed} of %d" % len(GRAPHS)) as advance:
+        export(model, output, opset=opset, block_length=block_length, max_batch=max_batch,
+               max_length=max_length, on_graph=lambda graph: advance())
+    manifest = json.loads((output / MANIFEST).read_text())
+    table = Table(title=f"{output} ({manifest['exported_s']} s)")
+    for column in ("file", "bytes", "sha256"):
+        table.add_column(column)
+    for name, digest in manifest["files"].items():
+        table.add_row(name, f"{(output / name).stat().st_size:,}", digest[:16])
+    Console().print(table)
+
+
+def step_progress(console, label: str = "denoising: step {task.completed}"):
     """A transient "denoising step N" display on a terminal; a no-op elsewhere."""
     from contextlib import contextmanager
 
@@ -226,7 +283,7 @@ def step_progress(console):
 
     @contextmanager
     def progress():
-        with Progress(SpinnerColumn(), TextColumn("denoising: step {task.completed}"), transient=True,
+        with Progress(SpinnerColumn(), TextColumn(label), transient=True,
                       console=console, disable=not console.is_terminal) as bar:
             task = bar.add_task("steps", total=None)
             yield lambda: bar.advance(task)

@@ -4,6 +4,8 @@
     OUT_DIR/step_cached.onnx   the step over a cached prefix
     OUT_DIR/dlmrt.json         model, graphs and their input/output contract, special token ids,
                                dimension limits, opset, and the sha256 of every file
+    OUT_DIR/tokenizer.json, generation_config.json   copied from the model, so the directory is
+                               all a runtime needs
 
 Batch, window, prefix and block lengths are dynamic up to the limits recorded in the manifest. The
 `dlmrt::ParallelUnmask` node carries `plugin_namespace`, and the model carries its ONNX local
@@ -13,8 +15,10 @@ export killed midway leaves no directory that loads.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 import time
 import warnings
 from collections.abc import Callable
@@ -104,12 +108,24 @@ def attach_custom_op(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
+@contextlib.contextmanager
+def _quiet_exporter():
+    """Hide the exporter's log lines (e.g. that torchvision is not installed), which concern no user."""
+    logger = logging.getLogger("torch.onnx")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def export_graph(model: Denoiser, graph: str, grid: int | None, opset: int, max_batch: int,
                  max_length: int) -> onnx.ModelProto:
     residual = model.residual_config is not None
     names = input_names(graph, residual)
     examples = _example_inputs(model, graph)
-    with warnings.catch_warnings(), torch.no_grad():
+    with warnings.catch_warnings(), torch.no_grad(), _quiet_exporter():
         warnings.simplefilter("ignore")  # the exporter's notes on dimension names are not the user's concern
         program = torch.onnx.export(
             StepGraph(model, graph, grid).eval(), (), kwargs={name: examples[name] for name in names},
@@ -170,6 +186,9 @@ def export(model: Denoiser, out_dir: str | Path, *, opset: int = DEFAULT_OPSET, 
                              "outputs": _tensor_contract(onnx_model.graph.output)}
             if on_graph is not None:
                 on_graph(graph)
+        if model.tokenizer is not None:  # so that an export directory is all a runtime needs
+            atomic.write_text(staging / "tokenizer.json", model.tokenizer.to_str())
+        atomic.write_text(staging / "generation_config.json", json.dumps(model.generation_config, indent=2))
         files = {p.name: sha256_of(p) for p in sorted(staging.iterdir()) if p.is_file()}
         manifest = {
             "format_version": FORMAT_VERSION, "dlmrt_version": __version__, "torch_version": torch.__version__,
@@ -187,3 +206,17 @@ def export(model: Denoiser, out_dir: str | Path, *, opset: int = DEFAULT_OPSET, 
         }
         atomic.write_text(staging / MANIFEST, json.dumps(manifest, indent=2) + "\n")
     return out_dir
+
+
+def cached_export_dir(model_dir: str | Path, dtype: str, opset: int = DEFAULT_OPSET) -> Path:
+    """Where `dlmrt generate --backend ort` keeps the export of a model directory: under
+    `$DLMRT_HOME/exports`, keyed by the model's files (name, size, mtime), dtype, opset and dlmrt."""
+    from dlmrt.home import home
+
+    model_dir = Path(model_dir).resolve()
+    key = hashlib.sha256(f"{model_dir}|{dtype}|{opset}|{__version__}".encode())
+    for path in sorted(model_dir.iterdir()):
+        if path.is_file():
+            stat = path.stat()
+            key.update(f"|{path.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    return home() / "exports" / f"{model_dir.name}-{key.hexdigest()[:16]}"

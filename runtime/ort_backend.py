@@ -9,12 +9,15 @@ used here; the CUDA provider where onnxruntime-gpu and a GPU are present.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from dlmrt.errors import ArgumentError, CheckpointError
+from dlmrt.export.models.denoiser import SpecialTokens
 from dlmrt.export.onnx_export import FORMAT_VERSION, MANIFEST, sha256_of
 from dlmrt.plugins.parallel_unmask import MEASURE_CODES
 from dlmrt.runtime.backend import Backend, ModelSpec, StepInputs, StepOutputs, StepShapes
@@ -23,8 +26,8 @@ OPTIMIZATION_LEVELS = ("disable", "basic", "extended", "all")
 _NUMPY = {torch.float32: np.float32, torch.float16: np.float16, torch.int64: np.int64, torch.bool: np.bool_}
 
 
-def load_manifest(export_dir: str | Path) -> dict:
-    """The export's manifest, after checking every file against its recorded sha256."""
+def read_manifest(export_dir: str | Path) -> dict:
+    """The export's manifest (its files unchecked)."""
     export_dir = Path(export_dir)
     path = export_dir / MANIFEST
     if not path.is_file():
@@ -34,6 +37,13 @@ def load_manifest(export_dir: str | Path) -> dict:
     if manifest.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"{path} has format version {manifest.get('format_version')}, this dlmrt reads "
                               f"{FORMAT_VERSION}: re-export the model")
+    return manifest
+
+
+def load_manifest(export_dir: str | Path) -> dict:
+    """The export's manifest, after checking every file against its recorded sha256."""
+    export_dir = Path(export_dir)
+    manifest = read_manifest(export_dir)
     for name, expected in manifest["files"].items():
         file = export_dir / name
         if not file.is_file():
@@ -55,6 +65,33 @@ def spec_from_manifest(manifest: dict, export_dir: Path) -> ModelSpec:
         dtype=getattr(torch, model["dtype"]), device=torch.device("cpu"), max_batch=limits["max_batch"],
         limits_hint=f"re-export with `dlmrt export ... -o {export_dir} --max-batch B --max-length N`",
         block_grid=model["block_grid"], supports_guidance=False)
+
+
+@dataclass
+class ExportedModel:
+    """What the CLI and `dlmrt.runtime.text` need of a model, read from an export directory."""
+
+    name: str
+    tokens: SpecialTokens
+    block_causal: bool
+    default_block_length: int | None
+    tokenizer: Any = None
+    generation_config: dict = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, export_dir: str | Path) -> ExportedModel:
+        from tokenizers import Tokenizer
+
+        export_dir = Path(export_dir)
+        manifest = read_manifest(export_dir)
+        tokens, model = manifest["tokens"], manifest["model"]
+        tokenizer_path = export_dir / "tokenizer.json"
+        generation_path = export_dir / "generation_config.json"
+        return cls(name=model["name"],
+                   tokens=SpecialTokens(tokens["mask_id"], tuple(tokens["eos_ids"]), tokens["pad_id"]),
+                   block_causal=model["block_causal"], default_block_length=model["block_grid"],
+                   tokenizer=Tokenizer.from_file(str(tokenizer_path)) if tokenizer_path.is_file() else None,
+                   generation_config=json.loads(generation_path.read_text()) if generation_path.is_file() else {})
 
 
 class OrtBackend(Backend):

@@ -141,3 +141,28 @@ def test_residual_policy_runs_through_ort(exported):
     settings = GenerationSettings(12, 12, Residual(Threshold(0.3)), cache="dual")
     assert torch.equal(Generator(OrtBackend(directory)).generate(PROMPTS, settings).tokens,
                        Generator(model).generate(PROMPTS, settings).tokens)
+
+
+def test_cli_export_and_generate_with_ort(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from dlmrt.cli import main
+    from dlmrt.export import checkpoint
+
+    monkeypatch.setenv("DLMRT_HOME", str(tmp_path / "home"))
+    model_dir = checkpoint.save(random_model(LLADA), tmp_path / "model")
+    runner = CliRunner()
+    exported = runner.invoke(main, ["export", str(model_dir), "-o", str(tmp_path / "export"), "--max-batch", "4"])
+    assert exported.exit_code == 0, exported.output
+    assert "step_full.onnx" in exported.output and "step_cached.onnx" in exported.output
+    args = ["generate", "--prompt-ids", "5,6,7", "--prompt-ids", "8,9", "--gen-length", "8", "--block-length", "4",
+            "--policy", "threshold", "--threshold", "0.3", "--cache", "dual", "--json"]
+    torch_out = json.loads(runner.invoke(main, [*args, "--model", str(model_dir)]).output)["outputs"]
+    ort_out = runner.invoke(main, [*args, "--model", str(tmp_path / "export"), "--backend", "ort"])
+    assert ort_out.exit_code == 0, ort_out.output
+    assert json.loads(ort_out.output)["outputs"] == torch_out
+    # a model directory is exported into $DLMRT_HOME on first use
+    cached = runner.invoke(main, [*args, "--model", str(model_dir), "--backend", "ort"])
+    assert cached.exit_code == 0, cached.output
+    assert json.loads(cached.output)["outputs"] == torch_out
+    assert len(list((tmp_path / "home" / "exports").iterdir())) == 1
