@@ -66,7 +66,7 @@ def test_manifest_records_the_contract(exported):
     assert manifest["opset"] == 18 and manifest["model"]["residual"] is True
     assert manifest["tokens"]["mask_id"] == model.tokens.mask_id
     assert manifest["limits"] == {"max_batch": 8, "max_length": 48}
-    assert set(manifest["files"]) == {"step_full.onnx", "step_cached.onnx"}
+    assert set(manifest["files"]) == {"step_full.onnx", "step_cached.onnx", "tokenizer.json", "generation_config.json"}
     cached = manifest["graphs"]["cached"]
     assert [i["name"] for i in cached["inputs"]][-5:] == ["past_kv", "past_positions", "past_key_mask", "z",
                                                           "certainty"]
