@@ -38,7 +38,7 @@ FORMAT_VERSION = 1
 DEFAULT_OPSET = 18
 # Beyond this, weights go to external data files (protobuf caps a file at 2 GiB).
 EXTERNAL_DATA_BYTES = 1 << 30
-EXPORTABLE_FAMILIES = ("llada",)
+EXPORTABLE_FAMILIES = ("llada", "llada2_moe")
 
 
 def graph_file(graph: str) -> str:
@@ -49,8 +49,8 @@ def check_exportable(model: Denoiser) -> None:
     """Refuse, before anything is written, what the exporter cannot trace into a static graph."""
     if model.model_type not in EXPORTABLE_FAMILIES:
         raise UnsupportedFeatureError(
-            f"exporting {model.model_type} models is not supported yet: its mixture-of-experts layer picks "
-            f"experts with data-dependent control flow (exportable families: {', '.join(EXPORTABLE_FAMILIES)})")
+            f"exporting {model.model_type} models is not supported (exportable families: "
+            f"{', '.join(EXPORTABLE_FAMILIES)})")
     if model.tokens is None:
         raise ArgumentError(f"{model.name} has no mask token id: load it with dlmrt.load")
 

@@ -27,14 +27,15 @@ POLICIES = [Fixed(12), Fixed(6), Fixed(12, "random"), Threshold(0.3), Threshold(
 def exported(tmp_path_factory):
     """(torch model, export directory) for the tiny model and random llada configs, ORL among them."""
     models = {"tiny": dlmrt.load(), "llada": random_model(LLADA),
-              "orl": random_model(config(LLADA, residual_context=ORL), seed=3)}
+              "orl": random_model(config(LLADA, residual_context=ORL), seed=3), "llada2": random_model(LLADA2)}
     root = tmp_path_factory.mktemp("exports")
-    return {name: (model, onnx_export.export(model, root / name, max_batch=8, max_length=48))
+    return {name: (model, onnx_export.export(model, root / name, max_batch=8, max_length=48, block_length=4))
             for name, model in models.items()}
 
 
-@pytest.mark.parametrize("name", ["llada", "orl"])
-@pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
+@pytest.mark.parametrize("name, cache", [(name, cache) for name in ("llada", "orl", "llada2")
+                                         for cache in ("none", "prefix", "dual")
+                                         if not (name == "llada2" and cache == "dual")])
 def test_ort_gives_the_torch_tokens_for_every_policy(exported, name, cache):
     model, directory = exported[name]
     ort_generator, torch_generator = Generator(OrtBackend(directory)), Generator(model)
@@ -66,7 +67,8 @@ def test_manifest_records_the_contract(exported):
     assert manifest["opset"] == 18 and manifest["model"]["residual"] is True
     assert manifest["tokens"]["mask_id"] == model.tokens.mask_id
     assert manifest["limits"] == {"max_batch": 8, "max_length": 48}
-    assert set(manifest["files"]) == {"step_full.onnx", "step_cached.onnx", "tokenizer.json", "generation_config.json"}
+    assert set(manifest["files"]) == {"step_full.onnx", "step_cached.onnx", "tokenizer.json",
+                                      "generation_config.json"}
     cached = manifest["graphs"]["cached"]
     assert [i["name"] for i in cached["inputs"]][-5:] == ["past_kv", "past_positions", "past_key_mask", "z",
                                                           "certainty"]
@@ -111,10 +113,17 @@ def test_limits_are_checked_before_compute(exported):
         generator.generate([[5, 6]], GenerationSettings(8, 4, cfg_scale=1.0))
 
 
-def test_unsupported_family_is_refused_before_anything_is_written(tmp_path):
-    with pytest.raises(UnsupportedFeatureError, match="exporting llada2_moe models is not supported yet"):
+def test_unsupported_family_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    monkeypatch.setattr(onnx_export, "EXPORTABLE_FAMILIES", ("llada",))
+    with pytest.raises(UnsupportedFeatureError, match="exporting llada2_moe models is not supported"):
         onnx_export.export(random_model(LLADA2), tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_block_causal_exports_fix_their_grid(exported):
+    _, directory = exported["llada2"]
+    with pytest.raises(ArgumentError, match="was exported for blocks of 4 .* re-export with --block-length 8"):
+        Generator(OrtBackend(directory)).generate([[5, 6]], GenerationSettings(16, 8, LLaDA2()))
 
 
 def test_a_failed_export_leaves_no_directory(monkeypatch, tmp_path):

@@ -173,11 +173,20 @@ class MoE(nn.Module):
         flat = x.reshape(-1, x.shape[-1])
         experts, weights = self.gate(flat)
         routed = torch.zeros(flat.shape, dtype=torch.float32, device=flat.device)
-        # Only the experts some token chose run; each sees just its tokens.
-        for expert in experts.unique().tolist():
-            token, slot = (experts == expert).nonzero(as_tuple=True)
-            out = self.experts[expert](flat[token]).float() * weights[token, slot, None]
-            routed.index_add_(0, token, out)
+        if torch.compiler.is_exporting():
+            # A graph cannot pick experts by data: every expert runs on every token, weighted by a
+            # routing matrix that is zero where the token did not choose it. Experts are added in
+            # the same order as below, and adding zeros changes nothing, so the sums are the same.
+            routing = torch.zeros(flat.shape[0], len(self.experts), dtype=torch.float32, device=flat.device)
+            routing = routing.scatter(1, experts, weights)
+            for index, expert in enumerate(self.experts):
+                routed = routed + expert(flat).float() * routing[:, index, None]
+        else:
+            # Only the experts some token chose run; each sees just its tokens.
+            for expert in experts.unique().tolist():
+                token, slot = (experts == expert).nonzero(as_tuple=True)
+                out = self.experts[expert](flat[token]).float() * weights[token, slot, None]
+                routed.index_add_(0, token, out)
         y = routed.to(x.dtype).view_as(x)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
