@@ -252,8 +252,10 @@ def ensure_exported(model_dir: Path, dtype: str, console) -> Path:
 @click.option("--max-batch", type=int, default=64, show_default=True, help="Largest batch the graphs take.")
 @click.option("--max-length", type=int, default=None,
               help="Longest canvas (prompt + generated) the graphs take [default: the model's context].")
+@click.option("--verify", is_flag=True,
+              help="Compare each graph with the torch step under Polygraphy (fp32 tolerances).")
 @reports_errors
-def export_command(model_dir, output, opset, dtype, block_length, max_batch, max_length):
+def export_command(model_dir, output, opset, dtype, block_length, max_batch, max_length, verify):
     """Export the step graphs of MODEL_DIR (default: the tiny model) to ONNX, with a manifest."""
     from rich.console import Console
     from rich.table import Table
@@ -273,6 +275,15 @@ def export_command(model_dir, output, opset, dtype, block_length, max_batch, max
     for name, digest in manifest["files"].items():
         table.add_row(name, f"{(output / name).stat().st_size:,}", digest[:16])
     Console().print(table)
+    if verify:
+        from dlmrt.export.verify import compare_with_torch
+
+        grid = manifest["model"]["block_grid"]
+        failed = [graph for graph, ok in compare_with_torch(model, output, grid).items() if not ok]
+        if failed:
+            raise UserError(f"{', '.join(failed)}: ONNX Runtime's outputs differ from the torch step's "
+                            f"beyond fp32 tolerances (see Polygraphy's report above)")
+        click.echo("verified: every graph matches the torch step (Polygraphy, fp32 tolerances)")
 
 
 def step_progress(console, label: str = "denoising: step {task.completed}"):

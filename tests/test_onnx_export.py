@@ -175,3 +175,20 @@ def test_cli_export_and_generate_with_ort(tmp_path, monkeypatch):
     assert cached.exit_code == 0, cached.output
     assert json.loads(cached.output)["outputs"] == torch_out
     assert len(list((tmp_path / "home" / "exports").iterdir())) == 1
+
+
+@pytest.mark.parametrize("name", ["tiny", "orl", "llada2"])
+def test_polygraphy_finds_each_graph_equal_to_the_torch_step(exported, name):
+    from dlmrt.export.verify import compare_with_torch
+
+    model, directory = exported[name]
+    assert compare_with_torch(model, directory, grid=4 if model.block_causal else None) == {"full": True,
+                                                                                           "cached": True}
+
+
+def test_polygraphy_sees_a_different_model(exported):
+    from dlmrt.export.verify import compare_with_torch
+
+    _, directory = exported["llada"]
+    other = random_model(LLADA, seed=9)  # same shapes, other weights
+    assert compare_with_torch(other, directory) == {"full": False, "cached": False}
