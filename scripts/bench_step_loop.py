@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -33,10 +31,11 @@ from rich.table import Table
 
 import dlmrt
 from dlmrt import atomic, tasks
+from dlmrt.benchmark import Case, measure, speed_table
 from dlmrt.evaluation import exact_match
 from dlmrt.export import models
 from dlmrt.export.models import SpecialTokens
-from dlmrt.runtime import Fixed, GenerationMetrics, GenerationSettings, Generator, Threshold, reference, text
+from dlmrt.runtime import Fixed, GenerationSettings, Generator, Threshold, reference, text
 
 LARGE_LLADA = {
     "architectures": ["LLaDAModelLM"], "model_type": "llada", "d_model": 1024, "n_heads": 16,
@@ -47,47 +46,28 @@ LARGE_LLADA = {
 LARGE_TOKENS = SpecialTokens(mask_id=4095, eos_ids=(4094,), pad_id=4094)
 
 
-def cases(gen_length: int, block_length: int, *, compare_policies: bool) -> list[tuple[str, Callable]]:
-    """(label, run(model, prompts) -> metrics), the reference first. Without `compare_policies`
-    only the cached threshold runs follow it (for random weights the others cost what the reference
-    costs: a full forward per token)."""
+def cases(model, prompts, gen_length: int, block_length: int, *, compare_policies: bool) -> list[Case]:
+    """The reference first. Without `compare_policies` only the cached threshold runs follow it (for
+    random weights the others cost what the reference costs: a full forward per token)."""
     def generator(policy, cache):
         settings = GenerationSettings(gen_length, block_length, policy, cache=cache, ignore_eos=True)
-        return lambda model, prompts: Generator(model).generate(prompts, settings).metrics
+        return lambda: Generator(model).generate(prompts, settings).metrics
 
     one_per_step = GenerationSettings(gen_length, block_length, Fixed(gen_length))
-    uncached = [("fixed, cache none", generator(Fixed(gen_length), "none")),
-                ("threshold 0.9, cache none", generator(Threshold(0.9), "none"))]
+    uncached = [Case("fixed, cache none", generator(Fixed(gen_length), "none")),
+                Case("threshold 0.9, cache none", generator(Threshold(0.9), "none"))]
     return [
-        ("reference loop (fixed, 1 token/step)", lambda m, p: reference.generate(m, p, one_per_step).metrics),
+        Case("reference loop (fixed, 1 token/step)",
+             lambda: reference.generate(model, prompts, one_per_step).metrics),
         *(uncached if compare_policies else []),
-        ("threshold 0.9, cache prefix", generator(Threshold(0.9), "prefix")),
-        ("threshold 0.9, cache dual", generator(Threshold(0.9), "dual")),
+        Case("threshold 0.9, cache prefix", generator(Threshold(0.9), "prefix")),
+        Case("threshold 0.9, cache dual", generator(Threshold(0.9), "dual")),
     ]
 
 
-def measure(model, prompts, gen_length, block_length, repeats, progress, title, *,
-            compare_policies: bool) -> list[dict]:
-    configurations = cases(gen_length, block_length, compare_policies=compare_policies)
-    task = progress.add_task(title, total=len(configurations) * repeats + 1)
-    warm_up = GenerationSettings(block_length, block_length, Threshold(0.9), cache="dual")
-    Generator(model).generate(prompts[:1], warm_up)
-    progress.advance(task)
-    rows = []
-    for label, run in configurations:
-        runs: list[GenerationMetrics] = []
-        for _ in range(repeats):
-            runs.append(run(model, prompts))
-            progress.advance(task)
-        rows.append({"setting": label,
-                     "tokens_per_s": statistics.median(m.tokens_per_s for m in runs),
-                     "latency_s": statistics.median(m.latency_s for m in runs),
-                     "host_fraction": statistics.median(m.host_fraction for m in runs),
-                     "tpf": runs[0].tpf, "nfe": runs[0].nfe})
-    base = rows[0]["tokens_per_s"]
-    for row in rows:
-        row["speedup"] = row["tokens_per_s"] / base
-    return rows
+def warm_up(model, prompts, block_length):
+    return lambda: Generator(model).generate(prompts[:1], GenerationSettings(block_length, block_length,
+                                                                              Threshold(0.9), cache="dual"))
 
 
 def agreement(model, prompts, gen_length, block_length, examples, progress) -> list[dict]:
@@ -109,17 +89,6 @@ def agreement(model, prompts, gen_length, block_length, examples, progress) -> l
                          "tpf": score.metrics.tpf})
             progress.advance(task)
     return rows
-
-
-def speed_table(title: str, rows: list[dict]) -> Table:
-    table = Table(title=title)
-    for column in ("setting", "tokens/s (median)", "vs reference", "TPF", "NFE", "latency", "host overhead"):
-        table.add_column(column, justify="left" if column == "setting" else "right")
-    for row in rows:
-        table.add_row(row["setting"], f"{row['tokens_per_s']:.1f}", f"{row['speedup']:.2f}x",
-                      f"{row['tpf']:.2f}", str(row["nfe"]), f"{row['latency_s'] * 1e3:.0f} ms",
-                      f"{row['host_fraction']:.1%}")
-    return table
 
 
 def agreement_table(rows: list[dict]) -> Table:
@@ -149,8 +118,8 @@ def main() -> int:
         examples = tasks.examples("test", args.per_task, seed=1234)
         prompts = [text.encode(tiny, e.prompt) for e in examples[:args.tiny_batch]]
         all_prompts = [text.encode(tiny, e.prompt) for e in examples]
-        results["tiny"] = measure(tiny, prompts, 16, 8, args.repeats, progress, "tiny model",
-                                  compare_policies=True)
+        results["tiny"] = measure(cases(tiny, prompts, 16, 8, compare_policies=True), args.repeats, progress,
+                                  "tiny model", warm_up(tiny, prompts, 8))
         progress.console.print(speed_table(f"tiny model, batch of {args.tiny_batch}, gen 16, block 8",
                                            results["tiny"]))
         results["tiny_agreement"] = agreement(tiny, all_prompts, 16, 8, examples, progress)
@@ -158,8 +127,9 @@ def main() -> int:
         if not args.skip_large:
             large = models.create(LARGE_LLADA, tokens=LARGE_TOKENS, seed=0)
             prompt = torch.randint(0, 4000, (32,), generator=torch.Generator().manual_seed(0)).tolist()
-            results["large"] = measure(large, [prompt], 256, 32, args.repeats, progress,
-                                       "llada d1024 x 8 layers, 256 tokens", compare_policies=False)
+            results["large"] = measure(cases(large, [prompt], 256, 32, compare_policies=False), args.repeats,
+                                       progress, "llada d1024 x 8 layers, 256 tokens",
+                                       warm_up(large, [prompt], 32))
             progress.console.print(speed_table(
                 "random llada d1024 x 8 layers, batch 1, prompt 32, gen 256, block 32", results["large"]))
     if args.json:
