@@ -187,6 +187,7 @@ def generate(model_dir, prompts, prompt_ids, ignore_eos, backend, stream, show_m
 
     console = Console(stderr=True)
     if backend == "ort":
+        require_onnx_extra()
         from dlmrt.runtime.ort_backend import ExportedModel, OrtBackend
 
         export_dir = ensure_exported(Path(model_dir or TINY_MODEL_DIR), dtype, console)
@@ -226,6 +227,16 @@ def generate(model_dir, prompts, prompt_ids, ignore_eos, backend, stream, show_m
         console.print(metrics.table())
 
 
+def require_onnx_extra() -> None:
+    """One clear line, instead of an ImportError, when the ONNX path is not installed."""
+    import importlib.util
+
+    missing = [name for name in ("onnx", "onnxscript", "onnxruntime") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise UserError(f"the ONNX path needs {', '.join(missing)}: pip install 'dlmrt[onnx]' "
+                        f"(or 'dlmrt[onnx-gpu]' on a GPU machine)")
+
+
 def ensure_exported(model_dir: Path, dtype: str, console) -> Path:
     """`model_dir` if it is an export, else its export in the cache (made on first use)."""
     from dlmrt.export.onnx_export import MANIFEST, cached_export_dir, export
@@ -257,6 +268,7 @@ def ensure_exported(model_dir: Path, dtype: str, console) -> Path:
 @reports_errors
 def export_command(model_dir, output, opset, dtype, block_length, max_batch, max_length, verify):
     """Export the step graphs of MODEL_DIR (default: the tiny model) to ONNX, with a manifest."""
+    require_onnx_extra()
     from rich.console import Console
     from rich.table import Table
 

@@ -112,3 +112,16 @@ def test_dual_cache_on_a_block_causal_model_is_one_line(tmp_path):
     result = run("generate", "--model", directory, "--prompt-ids", "5,6", "--cache", "dual")
     assert result.exit_code == 2 and "Traceback" not in result.output
     assert "cache mode 'dual' does not apply to llada2: it is block-causal" in result.output
+
+
+def test_the_onnx_path_names_its_extra_when_missing(model_dir, monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "onnxruntime"
+                        else find_spec(name, *a))
+    for args in (["generate", "--model", model_dir, "--prompt-ids", "5", "--backend", "ort"],
+                 ["export", model_dir, "-o", "unused"]):
+        result = run(*args)
+        assert result.exit_code == 2 and "Traceback" not in result.output
+        assert "the ONNX path needs onnxruntime: pip install 'dlmrt[onnx]'" in result.output
