@@ -192,3 +192,35 @@ def test_polygraphy_sees_a_different_model(exported):
     _, directory = exported["llada"]
     other = random_model(LLADA, seed=9)  # same shapes, other weights
     assert compare_with_torch(other, directory) == {"full": False, "cached": False}
+
+
+def test_an_export_killed_midway_leaves_nothing_that_loads(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "out"
+    script = f"import dlmrt; from dlmrt.export.onnx_export import export; export(dlmrt.load(), {str(out)!r})"
+    process = subprocess.Popen([sys.executable, "-c", script])
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob(".out.*.partial/step_full.onnx")):  # killed once the first graph is written
+        assert process.poll() is None and time.monotonic() < deadline, "the export ended before it was killed"
+        time.sleep(0.05)
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    assert not out.exists()
+    with pytest.raises(CheckpointError, match="is not a dlmrt export"):
+        OrtBackend(out)
+
+
+def test_large_weights_go_to_external_data(monkeypatch, tmp_path):
+    monkeypatch.setattr(onnx_export, "EXTERNAL_DATA_BYTES", 0)
+    model = random_model(LLADA)
+    directory = onnx_export.export(model, tmp_path / "out", max_batch=4, max_length=32)
+    manifest = json.loads((directory / onnx_export.MANIFEST).read_text())
+    assert {"step_full.onnx.data", "step_cached.onnx.data"} <= set(manifest["files"])
+    settings = GenerationSettings(8, 4, Threshold(0.3), cache="prefix")
+    assert torch.equal(Generator(OrtBackend(directory)).generate(PROMPTS[:2], settings).tokens,
+                       Generator(model).generate(PROMPTS[:2], settings).tokens)
