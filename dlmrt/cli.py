@@ -263,10 +263,12 @@ def ensure_exported(model_dir: Path, dtype: str, console) -> Path:
 @click.option("--max-batch", type=int, default=64, show_default=True, help="Largest batch the graphs take.")
 @click.option("--max-length", type=int, default=None,
               help="Longest canvas (prompt + generated) the graphs take [default: the model's context].")
+@click.option("--guidance", is_flag=True,
+              help="Also export the classifier-free-guidance graphs (for generate --cfg-scale).")
 @click.option("--verify", is_flag=True,
               help="Compare each graph with the torch step under Polygraphy (fp32 tolerances).")
 @reports_errors
-def export_command(model_dir, output, opset, dtype, block_length, max_batch, max_length, verify):
+def export_command(model_dir, output, opset, dtype, block_length, max_batch, max_length, guidance, verify):
     """Export the step graphs of MODEL_DIR (default: the tiny model) to ONNX, with a manifest."""
     require_onnx_extra()
     from rich.console import Console
@@ -277,9 +279,10 @@ def export_command(model_dir, output, opset, dtype, block_length, max_batch, max
 
     console = Console(stderr=True)
     model = dlmrt.load(model_dir or TINY_MODEL_DIR, dtype=dtype)
-    with step_progress(console, "exporting: graph {task.completed} of %d" % len(GRAPHS)) as advance:
+    with step_progress(console, "exporting: graph {task.completed} of %d" % (len(GRAPHS) * (1 + guidance))) \
+            as advance:
         export(model, output, opset=opset, block_length=block_length, max_batch=max_batch,
-               max_length=max_length, on_graph=lambda graph: advance())
+               max_length=max_length, guidance=guidance, on_graph=lambda graph: advance())
     manifest = json.loads((output / MANIFEST).read_text())
     table = Table(title=f"{output} ({manifest['exported_s']} s)")
     for column in ("file", "bytes", "sha256"):

@@ -30,7 +30,7 @@ import torch
 from dlmrt import __version__, atomic
 from dlmrt.errors import ArgumentError, UnsupportedFeatureError
 from dlmrt.export.models import Denoiser
-from dlmrt.export.step_graph import GRAPHS, StepGraph, input_names, output_names
+from dlmrt.export.step_graph import GRAPHS, GUIDED_GRAPHS, StepGraph, input_names, output_names
 from dlmrt.plugins.parallel_unmask import MEASURE_CODES, onnx_function
 
 MANIFEST = "dlmrt.json"
@@ -55,7 +55,7 @@ def check_exportable(model: Denoiser) -> None:
         raise ArgumentError(f"{model.name} has no mask token id: load it with dlmrt.load")
 
 
-def _example_inputs(model: Denoiser, graph: str, batch: int = 2, window: int = 6, prefix: int = 3,
+def _example_inputs(model: Denoiser, graph: str, batch: int = 3, window: int = 6, prefix: int = 5,
                     block: int = 4) -> dict[str, torch.Tensor]:
     device, dtype = model.device, model.dtype
     long = dict(dtype=torch.long, device=device)
@@ -72,14 +72,18 @@ def _example_inputs(model: Denoiser, graph: str, batch: int = 2, window: int = 6
         "step": torch.zeros(batch, **long),
         "measure": torch.full((batch,), MEASURE_CODES["prob"], **long),
     }
-    if graph == "cached":
-        values["past_kv"] = torch.zeros(model.num_layers, 2, batch, model.num_kv_heads, prefix, model.head_dim,
+    rows = 2 * batch if graph.endswith("_guided") else batch  # the model's rows
+    if graph.startswith("cached"):
+        values["past_kv"] = torch.zeros(model.num_layers, 2, rows, model.num_kv_heads, prefix, model.head_dim,
                                         dtype=dtype, device=device)
         values["past_positions"] = torch.arange(prefix, **long).repeat(batch, 1)
         values["past_key_mask"] = torch.ones(batch, prefix, dtype=torch.bool, device=device)
     if model.residual_config is not None:
-        values["z"] = torch.zeros(batch, window, model.hidden_size, dtype=dtype, device=device)
-        values["certainty"] = torch.zeros(batch, window, dtype=dtype, device=device)
+        values["z"] = torch.zeros(rows, window, model.hidden_size, dtype=dtype, device=device)
+        values["certainty"] = torch.zeros(rows, window, dtype=dtype, device=device)
+    if graph.endswith("_guided"):
+        values["prompt_lengths"] = torch.full((batch,), 2, **long)
+        values["cfg_scale"] = torch.ones(1, device=device)
     return values
 
 
@@ -88,9 +92,11 @@ def _dynamic_shapes(graph: str, names: list[str], max_batch: int, max_length: in
     window = torch.export.Dim("window", min=1, max=max_length)
     block = torch.export.Dim("block", min=1, max=max_length)
     prefix = torch.export.Dim("prefix", min=1, max=max_length)
+    rows = 2 * batch if graph.endswith("_guided") else batch
     shapes = {"ids": {0: batch, 1: window}, "positions": {0: batch, 1: window}, "key_mask": {0: batch, 1: window},
-              "block_index": {0: block}, "past_kv": {2: batch, 4: prefix}, "past_positions": {0: batch, 1: prefix},
-              "past_key_mask": {0: batch, 1: prefix}, "z": {0: batch, 1: window}, "certainty": {0: batch, 1: window}}
+              "block_index": {0: block}, "past_kv": {2: rows, 4: prefix}, "past_positions": {0: batch, 1: prefix},
+              "past_key_mask": {0: batch, 1: prefix}, "z": {0: rows, 1: window}, "certainty": {0: rows, 1: window},
+              "cfg_scale": {}}
     return {name: shapes.get(name, {0: batch}) for name in names}
 
 
@@ -125,17 +131,29 @@ def export_graph(model: Denoiser, graph: str, grid: int | None, opset: int, max_
     residual = model.residual_config is not None
     names = input_names(graph, residual)
     examples = _example_inputs(model, graph)
+    dynamic = _dynamic_shapes(graph, names, max_batch, max_length)
     with warnings.catch_warnings(), torch.no_grad(), _quiet_exporter():
         warnings.simplefilter("ignore")  # the exporter's notes on dimension names are not the user's concern
         program = torch.onnx.export(
             StepGraph(model, graph, grid).eval(), (), kwargs={name: examples[name] for name in names},
-            dynamo=True, dynamic_shapes=_dynamic_shapes(graph, names, max_batch, max_length),
+            dynamo=True, dynamic_shapes=dynamic,
             opset_version=opset, input_names=names, output_names=output_names(residual), verbose=False,
             custom_translation_table={
                 torch.ops.dlmrt.parallel_unmask.default: onnx_function.parallel_unmask_translation})
     onnx_model = attach_custom_op(program.model_proto)
+    _check_dynamic(onnx_model, dynamic)
     onnx_model.producer_name, onnx_model.producer_version = "dlmrt", __version__
     return onnx_model
+
+
+def _check_dynamic(onnx_model: onnx.ModelProto, dynamic: dict[str, dict]) -> None:
+    """The exporter falls back to fixed shapes when it cannot keep a dimension dynamic: refuse that."""
+    for value in onnx_model.graph.input:
+        dims = value.type.tensor_type.shape.dim
+        fixed = [axis for axis in dynamic.get(value.name, {}) if not dims[axis].dim_param]
+        if fixed:
+            raise RuntimeError(f"the ONNX exporter fixed axis {fixed[0]} of input {value.name!r} to "
+                               f"{dims[fixed[0]].dim_value} instead of keeping it dynamic (a dlmrt bug)")
 
 
 def _tensor_contract(values) -> list[dict]:
@@ -157,9 +175,10 @@ def sha256_of(path: Path) -> str:
 
 
 def export(model: Denoiser, out_dir: str | Path, *, opset: int = DEFAULT_OPSET, block_length: int | None = None,
-           max_batch: int = 64, max_length: int | None = None,
+           max_batch: int = 64, max_length: int | None = None, guidance: bool = False,
            on_graph: Callable[[str], None] | None = None) -> Path:
-    """Write the step graphs of `model` and their manifest to `out_dir` (atomically)."""
+    """Write the step graphs of `model` and their manifest to `out_dir` (atomically); with `guidance`,
+    also the classifier-free-guidance graphs."""
     check_exportable(model)
     if opset < 18:
         raise ArgumentError(f"opset {opset} is too old: the step graph needs opset 18 or newer")
@@ -175,7 +194,7 @@ def export(model: Denoiser, out_dir: str | Path, *, opset: int = DEFAULT_OPSET, 
     out_dir = Path(out_dir)
     with atomic.directory(out_dir) as staging:
         graphs = {}
-        for graph in GRAPHS:
+        for graph in GRAPHS + (GUIDED_GRAPHS if guidance else ()):
             onnx_model = export_graph(model, graph, grid, opset, max_batch, max_length)
             path = staging / graph_file(graph)
             large = onnx_model.ByteSize() > EXTERNAL_DATA_BYTES

@@ -8,8 +8,12 @@ Two graphs cover every cache mode:
 - `cached`: a window over a cached prefix (prefix and dual caches, the exact block cache).
 
 Both return the window's K/V, so either can write the cache. The block is given as window indices
-(`block_index`), so one graph serves every block position and block length. Classifier-free
-guidance is not part of the graphs.
+(`block_index`), so one graph serves every block position and block length.
+
+With classifier-free guidance (`full_guided`, `cached_guided`) the graph also takes each row's
+prompt length and the scale, runs the prompt-masked copy of every row beside it (the model's K/V,
+`z` and their outputs have 2B rows: the unconditional rows follow the conditional ones), and mixes
+`uncond + (scale + 1) * (cond - uncond)` before unmasking.
 """
 
 from __future__ import annotations
@@ -23,15 +27,22 @@ from dlmrt.export.models.residual import Residual
 from dlmrt.plugins.parallel_unmask import torch_op  # noqa: F401  (registers torch.ops.dlmrt.parallel_unmask)
 
 GRAPHS = ("full", "cached")
+GUIDED_GRAPHS = ("full_guided", "cached_guided")
 POLICY_INPUTS = ("count", "threshold", "factor", "temperature", "seed", "step", "measure")
+
+
+def graph_name(cached: bool, guided: bool) -> str:
+    return ("cached" if cached else "full") + ("_guided" if guided else "")
 
 
 def input_names(graph: str, residual: bool) -> list[str]:
     names = ["ids", "positions", "key_mask", "block_index", *POLICY_INPUTS]
-    if graph == "cached":
+    if graph.startswith("cached"):
         names += ["past_kv", "past_positions", "past_key_mask"]
     if residual:
         names += ["z", "certainty"]
+    if graph.endswith("_guided"):
+        names += ["prompt_lengths", "cfg_scale"]
     return names
 
 
@@ -42,23 +53,35 @@ def output_names(residual: bool) -> list[str]:
 class StepGraph(nn.Module):
     def __init__(self, model: Denoiser, graph: str, grid: int | None):
         super().__init__()
-        self.model, self.graph, self.grid = model, graph, grid
+        self.model, self.grid = model, grid
+        self.cached, self.guided = graph.startswith("cached"), graph.endswith("_guided")
         self.residual = model.residual_config is not None
 
     def forward(self, ids: Tensor, positions: Tensor, key_mask: Tensor, block_index: Tensor, count: Tensor,
                 threshold: Tensor, factor: Tensor, temperature: Tensor, seed: Tensor, step: Tensor,
                 measure: Tensor, past_kv: Tensor | None = None, past_positions: Tensor | None = None,
-                past_key_mask: Tensor | None = None, z: Tensor | None = None,
-                certainty: Tensor | None = None) -> tuple[Tensor, ...]:
-        past = None
-        if self.graph == "cached":
-            past = PastKV(past_kv, past_positions)
+                past_key_mask: Tensor | None = None, z: Tensor | None = None, certainty: Tensor | None = None,
+                prompt_lengths: Tensor | None = None, cfg_scale: Tensor | None = None) -> tuple[Tensor, ...]:
+        mask_id = self.model.tokens.mask_id
+        model_ids, model_positions = ids, positions
+        if self.cached:
             key_mask = torch.cat((past_key_mask, key_mask), dim=1)
+        if self.guided:
+            unconditional = ids.masked_fill(positions < prompt_lengths[:, None], mask_id)
+            model_ids, model_positions = torch.cat((ids, unconditional)), positions.repeat(2, 1)
+            key_mask = key_mask.repeat(2, 1)
+            past_positions = None if past_positions is None else past_positions.repeat(2, 1)
+        past = PastKV(past_kv, past_positions) if self.cached else None
         residual = Residual(z, certainty) if self.residual else None
-        out = self.model.denoise(ids, positions=positions, key_mask=key_mask, past=past, residual=residual,
-                                 return_kv=True, block_length=self.grid, logits_index=block_index)
+        out = self.model.denoise(model_ids, positions=model_positions, key_mask=key_mask, past=past,
+                                 residual=residual, return_kv=True, block_length=self.grid,
+                                 logits_index=block_index)
+        logits = out.logits.float()
+        if self.guided:
+            cond, uncond = logits[:ids.shape[0]], logits[ids.shape[0]:]  # not chunk(): it guards the batch
+            logits = uncond + (cfg_scale + 1) * (cond - uncond)
         unmasked = torch.ops.dlmrt.parallel_unmask(
-            out.logits.float(), ids.index_select(1, block_index), positions.index_select(1, block_index),
-            count, threshold, factor, temperature, seed, step, measure, self.model.tokens.mask_id)
+            logits, ids.index_select(1, block_index), positions.index_select(1, block_index),
+            count, threshold, factor, temperature, seed, step, measure, mask_id)
         extra = (out.residual.z, out.residual.certainty) if self.residual else ()
         return (*unmasked, out.kv, *extra)

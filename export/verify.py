@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from dlmrt.export.models import Denoiser
-from dlmrt.export.onnx_export import GRAPHS, graph_file
+from dlmrt.export.onnx_export import MANIFEST, graph_file
 from dlmrt.export.step_graph import StepGraph, input_names, output_names
 from dlmrt.plugins.parallel_unmask import MEASURE_CODES
 
@@ -22,7 +22,8 @@ def sample_feeds(model: Denoiser, graph: str, *, batch: int = 2, window: int = 1
                  block: int = 4, seed: int = 0) -> OrderedDict[str, np.ndarray]:
     """Plausible inputs: random tokens with masks, a block inside the window, mixed policies."""
     generator = torch.Generator().manual_seed(seed)
-    start = 0 if graph == "full" else prefix
+    start = prefix if graph.startswith("cached") else 0
+    rows = 2 * batch if graph.endswith("_guided") else batch  # the model's rows
     ids = torch.randint(0, model.vocab_size, (batch, window), generator=generator)
     ids[torch.rand(batch, window, generator=generator) < 0.5] = model.tokens.mask_id
     values = {
@@ -33,12 +34,13 @@ def sample_feeds(model: Denoiser, graph: str, *, batch: int = 2, window: int = 1
         "threshold": torch.rand(batch, generator=generator), "factor": torch.rand(batch, generator=generator),
         "temperature": torch.tensor([0.0, 0.7] * batch)[:batch], "seed": torch.arange(batch),
         "step": torch.full((batch,), 3), "measure": torch.arange(batch) % len(MEASURE_CODES),
-        "past_kv": torch.randn(model.num_layers, 2, batch, model.num_kv_heads, prefix, model.head_dim,
+        "past_kv": torch.randn(model.num_layers, 2, rows, model.num_kv_heads, prefix, model.head_dim,
                                generator=generator),
         "past_positions": torch.arange(prefix).repeat(batch, 1),
         "past_key_mask": torch.ones(batch, prefix, dtype=torch.bool),
-        "z": torch.randn(batch, window, model.hidden_size, generator=generator) * 0.1,
-        "certainty": torch.rand(batch, window, generator=generator),
+        "z": torch.randn(rows, window, model.hidden_size, generator=generator) * 0.1,
+        "certainty": torch.rand(rows, window, generator=generator),
+        "prompt_lengths": torch.full((batch,), start + 2), "cfg_scale": torch.tensor([1.5]),
     }
     names = input_names(graph, model.residual_config is not None)
     return OrderedDict((name, values[name].numpy()) for name in names)
@@ -53,9 +55,11 @@ def compare_with_torch(model: Denoiser, export_dir: str | Path, grid: int | None
     from polygraphy.comparator import Comparator, IterationResult
     from polygraphy.comparator.compare import SimpleCompareFunc
 
+    import json
+
     residual = model.residual_config is not None
     results = {}
-    for graph in GRAPHS:
+    for graph in json.loads((Path(export_dir) / MANIFEST).read_text())["graphs"]:
         feeds = sample_feeds(model, graph)
         runner = OnnxrtRunner(SessionFromOnnx(str(Path(export_dir) / graph_file(graph))))
         run = Comparator.run([runner], data_loader=[feeds])

@@ -19,6 +19,7 @@ import torch
 from dlmrt.errors import ArgumentError, CheckpointError
 from dlmrt.export.models.denoiser import SpecialTokens
 from dlmrt.export.onnx_export import FORMAT_VERSION, MANIFEST, sha256_of
+from dlmrt.export.step_graph import graph_name
 from dlmrt.plugins.parallel_unmask import MEASURE_CODES
 from dlmrt.runtime.backend import Backend, ModelSpec, StepInputs, StepOutputs, StepShapes
 
@@ -64,7 +65,7 @@ def spec_from_manifest(manifest: dict, export_dir: Path) -> ModelSpec:
         pad_id=tokens["pad_id"], block_causal=model["block_causal"], has_residual=model["residual"],
         dtype=getattr(torch, model["dtype"]), device=torch.device("cpu"), max_batch=limits["max_batch"],
         limits_hint=f"re-export with `dlmrt export ... -o {export_dir} --max-batch B --max-length N`",
-        block_grid=model["block_grid"], supports_guidance=False)
+        block_grid=model["block_grid"], supports_guidance="full_guided" in manifest["graphs"])
 
 
 @dataclass
@@ -128,23 +129,24 @@ class OrtBackend(Backend):
         if shapes in self._buffers:
             return
         s = self.spec
+        rows = shapes.batch * (2 if shapes.guided else 1)
         z = certainty = None
         if s.has_residual:
-            z = torch.empty(shapes.batch, shapes.window, s.hidden_size, dtype=s.dtype)
-            certainty = torch.empty(shapes.batch, shapes.window, dtype=s.dtype)
+            z = torch.empty(rows, shapes.window, s.hidden_size, dtype=s.dtype)
+            certainty = torch.empty(rows, shapes.window, dtype=s.dtype)
         self._buffers[shapes] = StepOutputs(
             ids=torch.empty(shapes.batch, shapes.block, dtype=torch.long),
             confidence=torch.empty(shapes.batch, shapes.block, dtype=torch.float32),
             commit=torch.empty(shapes.batch, shapes.block, dtype=torch.bool),
             committed=torch.empty(shapes.batch, dtype=torch.long),
-            kv=torch.empty(s.num_layers, 2, shapes.batch, s.num_kv_heads, shapes.window, s.head_dim, dtype=s.dtype),
+            kv=torch.empty(s.num_layers, 2, rows, s.num_kv_heads, shapes.window, s.head_dim, dtype=s.dtype),
             z=z, certainty=certainty)
 
     def step(self, inputs: StepInputs) -> StepOutputs:
         shapes = inputs.shapes()
         self.prepare(shapes)
         buffers = self._buffers[shapes]
-        graph = "full" if inputs.past_kv is None else "cached"
+        graph = graph_name(cached=inputs.past_kv is not None, guided=shapes.guided)
         session = self.sessions[graph]
         binding = session.io_binding()
         window = inputs.ids.shape[1]
@@ -153,11 +155,14 @@ class OrtBackend(Backend):
             "block_index": self._block(inputs.block_offset, inputs.block_length),
             **inputs.params._asdict(), "measure": self._measures(inputs.confidence, shapes.batch),
         }
-        if graph == "cached":
+        if inputs.past_kv is not None:
             feeds.update(past_kv=inputs.past_kv, past_positions=inputs.past_positions,
                          past_key_mask=inputs.key_mask[:, :-window])
         if self.spec.has_residual:
             feeds.update(z=inputs.z, certainty=inputs.certainty)
+        if shapes.guided:
+            feeds.update(prompt_lengths=inputs.prompt_lengths,
+                         cfg_scale=torch.tensor([inputs.cfg_scale], dtype=torch.float32))
         keep = []  # contiguous copies must outlive the run
         for name, tensor in feeds.items():
             tensor = tensor.contiguous()

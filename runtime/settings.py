@@ -70,8 +70,8 @@ def check_request(spec: ModelSpec, prompts: Sequence[Sequence[int]], settings: G
         raise ArgumentError(f"policy 'residual' needs an ORL model (a residual_context entry in "
                             f"config.json); {spec.name} has none: use --policy threshold or factor")
     if settings.cfg_scale > 0 and not spec.supports_guidance:
-        raise ArgumentError("classifier-free guidance is not part of the exported step graphs yet: use the "
-                            "torch backend for --cfg-scale")
+        raise ArgumentError(f"{spec.name} was exported without the guidance graphs: re-export with "
+                            f"`dlmrt export --guidance` for --cfg-scale, or use the torch backend")
     if spec.block_grid is not None and spec.block_causal and settings.block_length != spec.block_grid:
         raise ArgumentError(f"{spec.name} was exported for blocks of {spec.block_grid} (its block-causal "
                             f"attention is built in): generate with block-length {spec.block_grid}, or "

@@ -29,7 +29,8 @@ def exported(tmp_path_factory):
     models = {"tiny": dlmrt.load(), "llada": random_model(LLADA),
               "orl": random_model(config(LLADA, residual_context=ORL), seed=3), "llada2": random_model(LLADA2)}
     root = tmp_path_factory.mktemp("exports")
-    return {name: (model, onnx_export.export(model, root / name, max_batch=8, max_length=48, block_length=4))
+    return {name: (model, onnx_export.export(model, root / name, max_batch=8, max_length=48, block_length=4,
+                                             guidance=name != "tiny"))
             for name, model in models.items()}
 
 
@@ -40,11 +41,12 @@ def test_ort_gives_the_torch_tokens_for_every_policy(exported, name, cache):
     model, directory = exported[name]
     ort_generator, torch_generator = Generator(OrtBackend(directory)), Generator(model)
     for policy in POLICIES:
-        for temperature in (0.0, 0.8):
-            settings = GenerationSettings(12, 4, policy, cache=cache, temperature=temperature, seed=3)
+        for temperature, cfg_scale in ((0.0, 0.0), (0.8, 0.0), (0.0, 1.5)):
+            settings = GenerationSettings(12, 4, policy, cache=cache, temperature=temperature, seed=3,
+                                          cfg_scale=cfg_scale)
             expected = torch_generator.generate(PROMPTS, settings)
             got = ort_generator.generate(PROMPTS, settings)
-            assert torch.equal(got.tokens, expected.tokens), (policy, temperature)
+            assert torch.equal(got.tokens, expected.tokens), (policy, temperature, cfg_scale)
             assert got.metrics.nfe == expected.metrics.nfe
 
 
@@ -67,8 +69,8 @@ def test_manifest_records_the_contract(exported):
     assert manifest["opset"] == 18 and manifest["model"]["residual"] is True
     assert manifest["tokens"]["mask_id"] == model.tokens.mask_id
     assert manifest["limits"] == {"max_batch": 8, "max_length": 48}
-    assert set(manifest["files"]) == {"step_full.onnx", "step_cached.onnx", "tokenizer.json",
-                                      "generation_config.json"}
+    assert set(manifest["files"]) == {"step_full.onnx", "step_cached.onnx", "step_full_guided.onnx",
+                                      "step_cached_guided.onnx", "tokenizer.json", "generation_config.json"}
     cached = manifest["graphs"]["cached"]
     assert [i["name"] for i in cached["inputs"]][-5:] == ["past_kv", "past_positions", "past_key_mask", "z",
                                                           "certainty"]
@@ -109,8 +111,10 @@ def test_limits_are_checked_before_compute(exported):
         generator.generate([[5, 6]] * 9, GenerationSettings(8, 4))
     with pytest.raises(ArgumentError, match=r"needs 52 positions, more than the model's context of 48: re-export"):
         generator.generate([[5] * 40], GenerationSettings(12, 4))
-    with pytest.raises(ArgumentError, match="classifier-free guidance is not part of the exported step graphs"):
-        generator.generate([[5, 6]], GenerationSettings(8, 4, cfg_scale=1.0))
+    tiny = Generator(OrtBackend(exported["tiny"][1]))
+    with pytest.raises(ArgumentError, match=r"exported without the guidance graphs: re-export with `dlmrt export "
+                                            r"--guidance`"):
+        tiny.generate([[5, 6]], GenerationSettings(8, 4, cfg_scale=1.0))
 
 
 def test_unsupported_family_is_refused_before_anything_is_written(tmp_path, monkeypatch):
@@ -182,8 +186,9 @@ def test_polygraphy_finds_each_graph_equal_to_the_torch_step(exported, name):
     from dlmrt.export.verify import compare_with_torch
 
     model, directory = exported[name]
-    assert compare_with_torch(model, directory, grid=4 if model.block_causal else None) == {"full": True,
-                                                                                           "cached": True}
+    results = compare_with_torch(model, directory, grid=4 if model.block_causal else None)
+    expected = ["full", "cached"] + (["full_guided", "cached_guided"] if name != "tiny" else [])
+    assert sorted(results) == sorted(expected) and all(results.values())
 
 
 def test_polygraphy_sees_a_different_model(exported):
@@ -191,7 +196,7 @@ def test_polygraphy_sees_a_different_model(exported):
 
     _, directory = exported["llada"]
     other = random_model(LLADA, seed=9)  # same shapes, other weights
-    assert compare_with_torch(other, directory) == {"full": False, "cached": False}
+    assert not any(compare_with_torch(other, directory).values())
 
 
 def test_an_export_killed_midway_leaves_nothing_that_loads(tmp_path):
