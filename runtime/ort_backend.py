@@ -105,6 +105,12 @@ class OrtBackend(Backend):
         self.spec = spec_from_manifest(self.manifest, self.export_dir)
         if optimization not in OPTIMIZATION_LEVELS:
             raise ArgumentError(f"optimization must be one of {', '.join(OPTIMIZATION_LEVELS)}, got {optimization!r}")
+        available = ort.get_available_providers()
+        providers = providers or [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in available]
+        if self.spec.dtype not in _NUMPY:
+            raise ArgumentError(f"{self.export_dir} holds {self.manifest['model']['dtype']} graphs, which ONNX "
+                                f"Runtime cannot run here (its CPU provider has no bfloat16 kernels): export in "
+                                f"float32 or float16 for ONNX Runtime; bfloat16 exports are for TensorRT")
         self.sessions = {}
         for graph, entry in self.manifest["graphs"].items():
             options = ort.SessionOptions()
@@ -118,9 +124,8 @@ class OrtBackend(Backend):
             if optimized_model_dir is not None:
                 Path(optimized_model_dir).mkdir(parents=True, exist_ok=True)
                 options.optimized_model_filepath = str(Path(optimized_model_dir) / f"{graph}.optimized.onnx")
-            self.sessions[graph] = ort.InferenceSession(
-                str(self.export_dir / entry["file"]), options,
-                providers=providers or ["CPUExecutionProvider"])
+            self.sessions[graph] = ort.InferenceSession(str(self.export_dir / entry["file"]), options,
+                                                        providers=providers)
         self._buffers: dict[StepShapes, StepOutputs] = {}
         self._block_index: dict[tuple[int, int], torch.Tensor] = {}
         self._measure: dict[tuple[str, int], torch.Tensor] = {}

@@ -229,3 +229,14 @@ def test_large_weights_go_to_external_data(monkeypatch, tmp_path):
     settings = GenerationSettings(8, 4, Threshold(0.3), cache="prefix")
     assert torch.equal(Generator(OrtBackend(directory)).generate(PROMPTS[:2], settings).tokens,
                        Generator(model).generate(PROMPTS[:2], settings).tokens)
+
+
+def test_half_precision_exports(tmp_path):
+    model = dlmrt.load(dtype="float16")
+    directory = onnx_export.export(model, tmp_path / "fp16", max_batch=4, max_length=32)
+    prompt = [model.tokenizer.encode("add:762+139=").ids]
+    result = Generator(OrtBackend(directory)).generate(prompt, GenerationSettings(16, 8, Threshold(0.9)))
+    assert model.tokenizer.decode(result.rows[0].token_ids) == "0901"
+    bf16 = onnx_export.export(dlmrt.load(dtype="bfloat16"), tmp_path / "bf16", max_batch=4, max_length=32)
+    with pytest.raises(ArgumentError, match="holds bfloat16 graphs, which ONNX Runtime cannot run here"):
+        OrtBackend(bf16)
