@@ -191,7 +191,10 @@ def generate(model_dir, prompts, prompt_ids, ignore_eos, backend, stream, show_m
         from dlmrt.runtime.ort_backend import ExportedModel, OrtBackend
 
         export_dir = ensure_exported(Path(model_dir or TINY_MODEL_DIR), dtype, console)
-        model, backend_impl = ExportedModel.load(export_dir), OrtBackend(export_dir)
+        from dlmrt.home import home
+
+        model = ExportedModel.load(export_dir)
+        backend_impl = OrtBackend(export_dir, optimized_model_dir=home() / "ort")  # faster starts after the first
     else:
         model = dlmrt.load(model_dir or TINY_MODEL_DIR, dtype=dtype)
         backend_impl = model

@@ -9,11 +9,14 @@ used here; the CUDA provider where onnxruntime-gpu and a GPU are present.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
+import onnx.inliner
 import torch
 
 from dlmrt.errors import ArgumentError, CheckpointError
@@ -121,11 +124,26 @@ class OrtBackend(Backend):
                 "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}[optimization]
             if threads is not None:
                 options.intra_op_num_threads = threads
-            if optimized_model_dir is not None:
-                Path(optimized_model_dir).mkdir(parents=True, exist_ok=True)
-                options.optimized_model_filepath = str(Path(optimized_model_dir) / f"{graph}.optimized.onnx")
-            self.sessions[graph] = ort.InferenceSession(str(self.export_dir / entry["file"]), options,
-                                                        providers=providers)
+            source: str | bytes = str(self.export_dir / entry["file"])
+            external = f"{entry['file']}.data" in self.manifest["files"]
+            if optimized_model_dir is not None and not external:  # >2 GiB models are not re-serialized
+                # Keyed by the graph's sha256 and the level: an optimized model saved by an earlier
+                # session loads as it is, and a changed export never picks up a stale one.
+                digest = self.manifest["files"][entry["file"]][:16]
+                saved = Path(optimized_model_dir) / f"{graph}-{digest}-{optimization}.onnx"
+                if saved.is_file():
+                    source = str(saved)
+                    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+                else:
+                    saved.parent.mkdir(parents=True, exist_ok=True)
+                    writing = saved.with_name(f".{saved.name}.{os.getpid()}.tmp")  # renamed once complete
+                    options.optimized_model_filepath = str(writing)
+                    # ORT's own inlining of nested functions writes a file it cannot read back;
+                    # onnx's inliner gives every inlined value a unique name.
+                    source = onnx.inliner.inline_local_functions(onnx.load(source)).SerializeToString()
+            self.sessions[graph] = ort.InferenceSession(source, options, providers=providers)
+            if options.optimized_model_filepath:
+                os.replace(options.optimized_model_filepath, saved)
         self._buffers: dict[StepShapes, StepOutputs] = {}
         self._block_index: dict[tuple[int, int], torch.Tensor] = {}
         self._measure: dict[tuple[str, int], torch.Tensor] = {}

@@ -240,3 +240,14 @@ def test_half_precision_exports(tmp_path):
     bf16 = onnx_export.export(dlmrt.load(dtype="bfloat16"), tmp_path / "bf16", max_batch=4, max_length=32)
     with pytest.raises(ArgumentError, match="holds bfloat16 graphs, which ONNX Runtime cannot run here"):
         OrtBackend(bf16)
+
+
+def test_a_saved_optimized_model_is_reused(exported, tmp_path):
+    model, directory = exported["llada"]
+    settings = GenerationSettings(12, 4, Threshold(0.3), cache="prefix")
+    first = Generator(OrtBackend(directory, optimized_model_dir=tmp_path)).generate(PROMPTS, settings).tokens
+    saved = sorted(p.name for p in tmp_path.iterdir())
+    assert len(saved) == 4 and all(name.endswith("-all.onnx") for name in saved)
+    second = Generator(OrtBackend(directory, optimized_model_dir=tmp_path)).generate(PROMPTS, settings).tokens
+    assert sorted(p.name for p in tmp_path.iterdir()) == saved
+    assert torch.equal(first, second) and torch.equal(first, Generator(model).generate(PROMPTS, settings).tokens)
