@@ -147,6 +147,7 @@ class OrtBackend(Backend):
         self._buffers: dict[StepShapes, StepOutputs] = {}
         self._block_index: dict[tuple[int, int], torch.Tensor] = {}
         self._measure: dict[tuple[str, int], torch.Tensor] = {}
+        self._scales: dict[float, torch.Tensor] = {}
 
     def prepare(self, shapes: StepShapes) -> None:
         if shapes in self._buffers:
@@ -184,8 +185,7 @@ class OrtBackend(Backend):
         if self.spec.has_residual:
             feeds.update(z=inputs.z, certainty=inputs.certainty)
         if shapes.guided:
-            feeds.update(prompt_lengths=inputs.prompt_lengths,
-                         cfg_scale=torch.tensor([inputs.cfg_scale], dtype=torch.float32))
+            feeds.update(prompt_lengths=inputs.prompt_lengths, cfg_scale=self._cfg_scale(inputs.cfg_scale))
         keep = []  # contiguous copies must outlive the run
         for name, tensor in feeds.items():
             tensor = tensor.contiguous()
@@ -205,6 +205,11 @@ class OrtBackend(Backend):
         if key not in self._block_index:
             self._block_index[key] = torch.arange(offset, offset + length)
         return self._block_index[key]
+
+    def _cfg_scale(self, scale: float) -> torch.Tensor:
+        if scale not in self._scales:
+            self._scales[scale] = torch.tensor([scale], dtype=torch.float32)
+        return self._scales[scale]
 
     def _measures(self, confidence: str, batch: int) -> torch.Tensor:
         key = (confidence, batch)

@@ -74,10 +74,17 @@ class Policy(ABC):
         the counts of each row must add up to at least its masked count."""
 
 
-def _one_then_rest(masked: Tensor, block_length: int, steps: int) -> Tensor:
-    counts = torch.ones(masked.shape[0], steps, dtype=torch.long, device=masked.device)
-    counts[:, -1] = block_length
-    return counts
+class _AtLeastOnePerStep(Policy):
+    """Rules that commit at least one position per step: a block takes at most `block_length`
+    steps, and its last allowed step commits whatever is left."""
+
+    def block_steps(self, settings: GenerationSettings) -> int:
+        return settings.block_length
+
+    def schedule(self, masked: Tensor, block_length: int, steps: int) -> Tensor:
+        counts = torch.ones(masked.shape[0], steps, dtype=torch.long, device=masked.device)
+        counts[:, -1] = block_length
+        return counts
 
 
 @dataclass(frozen=True)
@@ -114,7 +121,7 @@ class Fixed(Policy):
 
 
 @dataclass(frozen=True)
-class Threshold(Policy):
+class Threshold(_AtLeastOnePerStep):
     """Fast-dLLM: commit every masked position of the block with confidence >= threshold, and
     always at least the most confident one."""
 
@@ -130,14 +137,9 @@ class Threshold(Policy):
         _check_threshold(self.threshold)
         _check_confidence(self.confidence)
 
-    def block_steps(self, settings: GenerationSettings) -> int:
-        return settings.block_length
-
-    schedule = staticmethod(_one_then_rest)
-
 
 @dataclass(frozen=True)
-class Factor(Policy):
+class Factor(_AtLeastOnePerStep):
     """Fast-dLLM's factor rule: commit the longest prefix of the confidence-sorted masked
     positions with `(n + 1) * (1 - c_n) < factor`, and at least one."""
 
@@ -153,11 +155,6 @@ class Factor(Policy):
         if not self.factor > 0:
             raise ArgumentError(f"factor must be positive, got {self.factor}")
         _check_confidence(self.confidence)
-
-    def block_steps(self, settings: GenerationSettings) -> int:
-        return settings.block_length
-
-    schedule = staticmethod(_one_then_rest)
 
 
 @dataclass(frozen=True)
