@@ -1,2 +1,3 @@
-"""TensorRT engines: per-GPU recipes, build plans, quantization, the engine store.
-Empty until the TensorRT issue lands."""
+"""TensorRT engines: per-GPU recipes (`targets`), build plans (`plan`), the ONNX preflight
+(`preflight`), quantization (`quant`), the thin TensorRT builder (`builder`) and the engine store
+with its manifests (`store`)."""

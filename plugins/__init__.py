@@ -1,2 +1,2 @@
-"""Custom ops (dlmrt::ParallelUnmask): torch reference, ONNX schema and function, Triton kernel,
-TensorRT plugin. Empty until the ONNX-export issue lands."""
+"""Custom ops (dlmrt::ParallelUnmask): torch reference, ONNX schema and function, Triton kernels,
+TensorRT plugin."""
