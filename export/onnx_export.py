@@ -31,6 +31,7 @@ from dlmrt import __version__, atomic
 from dlmrt.errors import ArgumentError, UnsupportedFeatureError
 from dlmrt.export.models import Denoiser
 from dlmrt.export.step_graph import GRAPHS, GUIDED_GRAPHS, StepGraph, input_names, output_names
+from dlmrt.hashing import sha256_of
 from dlmrt.plugins.parallel_unmask import MEASURE_CODES, onnx_function
 
 MANIFEST = "dlmrt.json"
@@ -164,14 +165,6 @@ def _tensor_contract(values) -> list[dict]:
         contract.append({"name": value.name, "dtype": onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type).name,
                          "shape": shape})
     return contract
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def export(model: Denoiser, out_dir: str | Path, *, opset: int = DEFAULT_OPSET, block_length: int | None = None,

@@ -21,8 +21,9 @@ import torch
 
 from dlmrt.errors import ArgumentError, CheckpointError
 from dlmrt.export.models.denoiser import SpecialTokens
-from dlmrt.export.onnx_export import FORMAT_VERSION, MANIFEST, sha256_of
+from dlmrt.export.onnx_export import FORMAT_VERSION, MANIFEST
 from dlmrt.export.step_graph import graph_name
+from dlmrt.hashing import sha256_of
 from dlmrt.plugins.parallel_unmask import MEASURE_CODES
 from dlmrt.runtime.backend import Backend, ModelSpec, StepInputs, StepOutputs, StepShapes
 
