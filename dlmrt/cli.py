@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import sys
 from collections.abc import Sequence
@@ -12,7 +11,8 @@ from typing import TYPE_CHECKING
 import click
 
 from dlmrt import TINY_MODEL_DIR, __version__
-from dlmrt.errors import DlmrtError
+from dlmrt.cli_errors import UserError, reports_errors
+from dlmrt.engine_commands import build_command, inspect_command
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -28,22 +28,6 @@ POLICY_NAMES = ("fixed", "threshold", "factor", "llada2", "residual")
 CACHE_NAMES = ("none", "prefix", "dual")
 
 
-class UserError(click.ClickException):
-    """A DlmrtError shown as one line, with exit status 2 (as click does for usage errors)."""
-
-    exit_code = 2
-
-
-def reports_errors(command):
-    @functools.wraps(command)
-    def wrapper(*args, **kwargs):
-        try:
-            return command(*args, **kwargs)
-        except DlmrtError as error:
-            raise UserError(str(error)) from None
-    return wrapper
-
-
 def parse_ids(value: str) -> list[int]:
     try:
         return [int(part) for part in value.replace(" ", "").split(",") if part]
@@ -56,6 +40,10 @@ def parse_ids(value: str) -> list[int]:
 @click.version_option(__version__, prog_name="dlmrt")
 def main() -> None:
     """dlmrt: fast inference for diffusion language models (LLaDA, LLaDA2.x, ORL)."""
+
+
+main.add_command(build_command)
+main.add_command(inspect_command)
 
 
 def model_option(command):

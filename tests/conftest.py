@@ -19,3 +19,13 @@ def saved_model(tmp_path, family_config):
     model = random_model(family_config)
     directory = checkpoint.save(model, tmp_path / "model")
     return model, directory
+
+
+@pytest.fixture(scope="session")
+def tiny_export(tmp_path_factory):
+    """The tiny model's step graphs (full and cached), exported once per test session."""
+    import dlmrt
+    from dlmrt.export import onnx_export
+
+    return onnx_export.export(dlmrt.load(), tmp_path_factory.mktemp("tiny-export") / "tiny", max_batch=8,
+                              max_length=64)

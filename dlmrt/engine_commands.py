@@ -1,0 +1,224 @@
+"""`dlmrt build` and `dlmrt inspect`: TensorRT engines from an export, and what the store holds."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import click
+
+from dlmrt.cli_errors import reports_errors
+from dlmrt.errors import ArgumentError
+
+DIMENSION_HELP = "{dim} range MIN:OPT:MAX (or one size) for the optimization profile [default: {default}]."
+PRECISION_CHOICES = ("bf16", "fp16", "fp8", "nvfp4")
+TARGET_CHOICES = ("auto", "sm_89", "sm_90", "sm_100", "sm_120")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str | None) -> int | None:
+    """Bytes from `8GiB`, `512MiB`, `4G` or a plain number of bytes."""
+    if text is None:
+        return None
+    match = _SIZE.match(text)
+    if match is None:
+        raise ArgumentError(f"--workspace {text!r}: expected a size like 8GiB, 512MiB or a number of bytes")
+    number, unit = float(match.group(1)), (match.group(2) or "B").upper()
+    power = "BKMGT".index(unit[0])
+    return int(number * (1 << (10 * power)))
+
+
+def dimension_options(command):
+    for dim, default in reversed((("batch", "1:1:max-batch of the export"),
+                                  ("window", "1:block length:max-length"), ("block", "as --window"),
+                                  ("prefix", "1:max-length/2:max-length"))):
+        command = click.option(f"--{dim}", default=None, metavar="MIN:OPT:MAX",
+                               help=DIMENSION_HELP.format(dim=dim.capitalize(), default=default))(command)
+    return command
+
+
+@click.command("build")
+@click.argument("export_dir", type=click.Path(path_type=Path))
+@click.option("--target", type=click.Choice(TARGET_CHOICES), default="auto", show_default=True,
+              help="GPU target; auto takes the running GPU's.")
+@click.option("--precision", type=click.Choice(PRECISION_CHOICES), default=None,
+              help="Engine precision [default: the target's first, bf16]. fp8 needs sm_89+, nvfp4 sm_100+.")
+@click.option("--graph", "graphs", multiple=True, default=("full", "cached"), show_default=True,
+              help="Step graphs to build (repeat); add full_guided / cached_guided for --cfg-scale.")
+@dimension_options
+@click.option("--workspace", default=None, help="Workspace memory pool limit, e.g. 8GiB [default: the target's].")
+@click.option("--optimization-level", type=int, default=None,
+              help="TensorRT builder optimization level 0-5 [default: 3].")
+@click.option("--no-timing-cache", is_flag=True, help="Neither read nor update the store's timing cache.")
+@click.option("--calibration", "calibration_file", type=click.Path(path_type=Path), default=None,
+              help="fp8 / nvfp4: prompts to calibrate on, one per line or JSONL with a 'prompt' field "
+                   "[default: the task suite].")
+@click.option("--calibration-samples", type=int, default=32, show_default=True,
+              help="fp8 / nvfp4: step-graph inputs recorded for calibration.")
+@click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
+              help="Engine store [default: $DLMRT_HOME/engines].")
+@click.option("--tensorrt", "tensorrt_version", default=None,
+              help="Plan for this TensorRT version (e.g. 10.13 or 11.4) [default: the installed one; "
+                   "11 when none is installed]. Only --dry-run may differ from the installed version.")
+@click.option("--dry-run", is_flag=True, help="Print the build plan and the preflight of the export; build nothing.")
+@click.option("--json", "as_json", is_flag=True, help="With --dry-run: the plan as JSON on stdout.")
+@reports_errors
+def build_command(export_dir, target, precision, graphs, batch, window, block, prefix, workspace,
+                  optimization_level, no_timing_cache, calibration_file, calibration_samples, output,
+                  tensorrt_version, dry_run, as_json):
+    """Build TensorRT engines of the step graphs in EXPORT_DIR (made by `dlmrt export`) into the store."""
+    from rich.console import Console
+
+    from dlmrt.engines import build, builder, profiles, targets
+    from dlmrt.engines.plan import make_plan
+    from dlmrt.engines.store import EngineStore
+
+    console = Console(stderr=True)
+    installed = builder.installed_tensorrt()
+    if not dry_run:
+        builder.require_tensorrt()
+    if tensorrt_version and installed and tensorrt_version != installed and not dry_run:
+        raise ArgumentError(f"--tensorrt {tensorrt_version} differs from the installed TensorRT {installed}: "
+                            f"an engine is built by the installed one (use --tensorrt with --dry-run only)")
+    planned_for = tensorrt_version or installed or "11"
+    chosen_target = targets.resolve(target)
+    ranges = {dim: profiles.parse_range(value, dim)
+              for dim, value in (("batch", batch), ("window", window), ("block", block), ("prefix", prefix))
+              if value is not None}
+    if calibration_samples <= 0:
+        raise ArgumentError(f"--calibration-samples must be positive, got {calibration_samples}")
+    store = EngineStore(output)
+    plan = make_plan(export_dir, chosen_target, precision or chosen_target.default_precision,
+                     tensorrt=planned_for, store=store.root, ranges=ranges, graphs=tuple(graphs),
+                     workspace_bytes=parse_size(workspace), optimization_level=optimization_level,
+                     timing_cache=not no_timing_cache,
+                     calibration=str(calibration_file) if calibration_file else "task suite",
+                     calibration_samples=calibration_samples)
+    if dry_run:
+        problems = build.dry_run_problems(plan)
+        if as_json:
+            click.echo(json.dumps({"plan": plan.to_dict(), "preflight": [str(p) for p in problems]}, indent=2))
+        else:
+            print_plan(plan, problems, installed)
+        if problems:
+            raise click.exceptions.Exit(1)
+        return
+    device = build.check_running_gpu(plan)
+    quantize = build.quantizer(plan, calibration_file)
+    with step_status(console) as show:
+        entry = build.run(plan, store, device=device, tensorrt_version=installed, quantize=quantize, on_step=show)
+    from dlmrt.engines import manifest
+
+    print_manifest(entry, manifest.read(entry), [])
+
+
+def step_status(console):
+    """A spinner naming the build's current step, on a terminal; the steps as lines elsewhere."""
+    from contextlib import contextmanager
+
+    @contextmanager
+    def status():
+        if not console.is_terminal:
+            yield lambda step: console.print(step)
+            return
+        with console.status("") as spinner:
+            yield lambda step: spinner.update(f"{step}…")
+    return status()
+
+
+def print_plan(plan, problems, installed: str | None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from dlmrt.engines.profiles import trtexec_flags
+    from dlmrt.engines.targets import GiB
+
+    console = Console()
+    table = Table(title=f"build plan: {plan.model} for {plan.target} {plan.precision}", show_header=False)
+    table.add_column("", style="bold", no_wrap=True)
+    table.add_column("", overflow="fold")
+    rows = [
+        ("export", plan.export_dir),
+        ("TensorRT", f"{plan.tensorrt} ({plan.typing}){'' if installed else ', not installed here'}"),
+        ("builder flags", ", ".join(plan.builder_flags) or "none (precision from the graph)"),
+        ("export dtype", plan.export_dtype),
+        ("quantization", f"{plan.quantization['method']}, calibrated on {plan.quantization['samples']} step "
+                         f"inputs from {plan.quantization['calibration']}" if plan.quantization else "none"),
+        ("profile", ", ".join(f"{dim} {value}" for dim, value in plan.ranges.items())),
+        ("workspace", f"{plan.options.workspace_bytes / GiB:g} GiB"),
+        ("optimization level", str(plan.options.optimization_level)),
+        ("timing cache", "reused and updated" if plan.options.timing_cache else "off"),
+        ("plugins", ", ".join(f"{p['namespace']}::{p['name']} v{p['version']}" for p in plan.plugins)),
+        ("output", plan.output),
+        *(("note", note) for note in plan.notes),
+    ]
+    for graph in plan.graphs:
+        rows.append((f"graph {graph.name}", f"{graph.onnx} (sha256 {graph.sha256[:16]}…)\n"
+                                            + "\n".join(trtexec_flags(graph.shapes))))
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+    if problems:
+        console.print(f"[red]preflight: {len(problems)} problem{'s' * (len(problems) > 1)}[/red]")
+        for problem in problems:
+            console.print(f"  {problem}")
+    else:
+        console.print("preflight: the export's graphs pass (operators, opset, plugins, Q/DQ, profiles)")
+
+
+def print_manifest(entry: Path, record: dict, problems: list[str]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    table = Table(title=str(entry), show_header=False)
+    table.add_column("", style="bold", no_wrap=True)
+    table.add_column("", overflow="fold")
+    for key in ("model", "target", "compute_capability", "device", "precision", "tensorrt_version", "typing",
+                "built_at", "build_s"):
+        table.add_row(key, str(record.get(key)))
+    table.add_row("profile", ", ".join(f"{dim} {value}" for dim, value in record["ranges"].items()))
+    table.add_row("plugins", ", ".join(f"{p['namespace']}::{p['name']} v{p['version']}" for p in record["plugins"]))
+    for name, info in record["graphs"].items():
+        table.add_row(f"graph {name}", f"{info['engine']} (sha256 {info['engine_sha256'][:16]}…)\n"
+                                       f"from {info['onnx']} (sha256 {info['onnx_sha256'][:16]}…)")
+    console.print(table)
+    if problems:
+        console.print("[red]hashes: " + "; ".join(problems) + "[/red]")
+    else:
+        console.print("hashes: every engine and the timing cache match the manifest")
+
+
+@click.command("inspect")
+@click.argument("path", type=click.Path(path_type=Path, exists=True))
+@click.option("--json", "as_json", is_flag=True, help="The manifest and the hash check as JSON.")
+@reports_errors
+def inspect_command(path, as_json):
+    """Show the manifest of an engine directory (or every engine under a store or model directory) and
+    check its sha256 hashes; exits with status 1 when a file is missing or differs."""
+    from dlmrt.engines import manifest
+    from dlmrt.engines.store import MANIFEST, EngineStore
+
+    if (path / MANIFEST).is_file():
+        entries = [path]
+    else:
+        entries = [entry for entry in EngineStore(path).entries() if (entry / MANIFEST).is_file()] or \
+                  [entry for entry in sorted(path.iterdir()) if (entry / MANIFEST).is_file()]
+    if not entries:
+        raise ArgumentError(f"{path} holds no engine (no {MANIFEST}): pass an engine directory "
+                            f"(<store>/<model>/<target>-<precision>) or a store")
+    failed = False
+    reports = []
+    for entry in entries:
+        record = manifest.read(entry)
+        problems = manifest.problems(entry, record)
+        failed |= bool(problems)
+        if as_json:
+            reports.append({"entry": str(entry), "manifest": record, "problems": problems})
+        else:
+            print_manifest(entry, record, problems)
+    if as_json:
+        click.echo(json.dumps(reports, indent=2))
+    if failed:
+        raise click.exceptions.Exit(1)

@@ -1,0 +1,102 @@
+"""`dlmrt build`: from an export to engines in the store, following a build plan.
+
+    check the GPU and the export -> quantize (fp8, nvfp4) -> preflight -> build each graph -> store
+
+Everything lands in a new version of the store entry, which replaces the old one in one atomic
+step after the manifest is written (see `store`): a build that fails or is killed leaves the
+previous engines, timing cache and manifest as they were.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import onnx
+
+from dlmrt import atomic
+from dlmrt.engines import builder, manifest, preflight, targets
+from dlmrt.engines.plan import BuildPlan, GraphPlan, PlanError
+from dlmrt.engines.store import MANIFEST, TIMING_CACHE, EngineStore, engine_file
+from dlmrt.hashing import sha256_of
+
+QUANTIZED_DIR = "quantized"  # inside the entry: the exact graphs fp8 / nvfp4 engines were built from
+EngineBuilder = Callable[[BuildPlan, GraphPlan, Path, "bytes | None"], "tuple[bytes, bytes]"]
+
+
+def check_running_gpu(plan: BuildPlan) -> str:
+    """TensorRT builds for the GPU it runs on: refuse a plan for another target. Returns the GPU's name."""
+    gpu = targets.running_gpu()
+    if gpu is None:
+        raise targets.TargetError(f"building a {plan.target} engine needs that GPU, and this machine has no "
+                                  f"CUDA GPU: build on a {plan.target} machine, or print the plan with --dry-run")
+    capability, name = gpu
+    if list(capability) != plan.compute_capability:
+        found = targets.target_for_capability(capability, name).name
+        raise targets.TargetError(f"TensorRT builds engines for the GPU it runs on: this is {name} ({found}), "
+                                  f"the plan is for {plan.target}; use --target {found} (or auto) here, or build "
+                                  f"on a {plan.target} machine")
+    return name
+
+
+def check_export(plan: BuildPlan) -> None:
+    """The export's files still have the sha256 the plan was made from."""
+    export_dir = Path(plan.export_dir)
+    for graph in plan.graphs:
+        found = sha256_of(export_dir / graph.onnx)
+        if found != graph.sha256:
+            raise PlanError(f"{export_dir / graph.onnx} changed since it was exported (sha256 {found[:16]}…, "
+                            f"dlmrt.json says {graph.sha256[:16]}…): export again")
+
+
+def graphs_to_parse(plan: BuildPlan, staging: Path, quantize: Callable[[GraphPlan, Path], None] | None,
+                    on_step: Callable[[str], None]) -> dict[str, Path]:
+    """The ONNX file each graph's engine is built from: the export's, or its quantized form."""
+    paths = {}
+    for graph in plan.graphs:
+        source = Path(plan.export_dir) / graph.onnx
+        if quantize is None:
+            paths[graph.name] = source
+            continue
+        on_step(f"quantizing {graph.name} ({plan.precision})")
+        target = staging / QUANTIZED_DIR / graph.onnx
+        target.parent.mkdir(parents=True, exist_ok=True)
+        quantize(graph, target)
+        paths[graph.name] = target
+    return paths
+
+
+def load_for_checks(paths: dict[str, Path]) -> dict[str, onnx.ModelProto]:
+    return {name: onnx.load(str(path), load_external_data=False) for name, path in paths.items()}
+
+
+def run(plan: BuildPlan, store: EngineStore, *, device: str, tensorrt_version: str,
+        quantize: Callable[[GraphPlan, Path], None] | None = None,
+        engine_builder: EngineBuilder = builder.build_graph,
+        on_step: Callable[[str], None] = lambda _: None) -> Path:
+    """Build every graph of `plan` into a new version of its store entry; returns the entry."""
+    check_export(plan)
+    started = time.perf_counter()
+    cache = store.read_timing_cache(plan.model, plan.key) if plan.options.timing_cache else None
+    with store.writing(plan.model, plan.key) as staging:
+        paths = graphs_to_parse(plan, staging, quantize, on_step)
+        on_step("preflight")
+        preflight.require_clean(plan, load_for_checks(paths))
+        for graph in plan.graphs:
+            on_step(f"building {graph.name}")
+            engine, cache = engine_builder(plan, graph, paths[graph.name], cache)
+            atomic.write_bytes(staging / engine_file(graph.name), engine)
+        if cache:
+            atomic.write_bytes(staging / TIMING_CACHE, cache)
+        built_from = {name: sha256_of(path) for name, path in paths.items()}
+        record = manifest.make(plan, staging, tensorrt_version=tensorrt_version, device=device,
+                               build_s=time.perf_counter() - started, built_graphs=built_from)
+        atomic.write_text(staging / MANIFEST, manifest.to_json(record))
+    return store.entry(plan.model, plan.key)
+
+
+def dry_run_problems(plan: BuildPlan) -> Sequence[preflight.Problem]:
+    """Preflight of the export's own graphs; a quantized precision's Q/DQ check waits for quantization."""
+    paths = {graph.name: Path(plan.export_dir) / graph.onnx for graph in plan.graphs}
+    return preflight.check(plan, load_for_checks(paths), quantized=False)

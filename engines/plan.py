@@ -1,0 +1,166 @@
+"""The build plan: everything a build will do, as plain data, before it does any of it.
+
+`dlmrt build --dry-run` prints it; a real build follows it and records it in the engine's manifest.
+It names the ONNX files (with the sha256 the export recorded), the target and precision, how the
+precision reaches TensorRT (builder flags on 10.x, the graph's own types on 11.x, which is always
+strongly typed), the quantization step, the optimization profile of every graph, the plugins the
+graphs need, and the builder options.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from dlmrt.engines import profiles
+from dlmrt.engines.targets import Target, check_precision
+from dlmrt.errors import DlmrtError
+from dlmrt.plugins.parallel_unmask import onnx_function
+
+PLAN_VERSION = 1
+EXPORT_MANIFEST = "dlmrt.json"
+DEFAULT_GRAPHS = ("full", "cached")
+# Builder flags per precision on TensorRT 10.x; 11.x has none (precision comes from the graph). The
+# 16-bit flag lets the layers that are not quantized run in reduced precision too.
+PRECISION_FLAGS = {"bf16": ("BF16",), "fp16": ("FP16",), "fp8": ("FP8", "BF16"), "nvfp4": ("FP4", "FP8", "BF16")}
+# The export dtypes that carry a 16-bit precision in the graph itself (needed by strongly typed builds).
+GRAPH_DTYPE = {"bf16": "bfloat16", "fp16": "float16"}
+QUANTIZERS = {"fp8": "nvidia-modelopt ONNX PTQ (fp8, per-tensor E4M3 Q/DQ)",
+              "nvfp4": "dlmrt NVFP4 (E2M1 in 16-element blocks, E4M3 block scales, TensorRT FP4 Q/DQ)"}
+
+
+class PlanError(DlmrtError):
+    """The export, the options or the TensorRT version cannot make the requested engine."""
+
+
+@dataclass(frozen=True)
+class GraphPlan:
+    name: str  # "full", "cached", ...
+    onnx: str  # file name inside the export directory
+    sha256: str
+    shapes: dict[str, list[list[int]]]  # input -> [min, opt, max] shapes
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    workspace_bytes: int
+    optimization_level: int
+    timing_cache: bool = True  # reuse and update the store's timing cache
+
+
+@dataclass(frozen=True)
+class BuildPlan:
+    model: str
+    export_dir: str
+    target: str
+    compute_capability: list[int]
+    precision: str
+    tensorrt: str  # the installed version, or the major version planned for ("11.x")
+    typing: str  # "strongly-typed" or "precision-flags"
+    builder_flags: list[str]
+    export_dtype: str
+    quantization: dict | None  # {"method", "calibration", "samples"} for fp8 / nvfp4
+    ranges: dict[str, str]  # dimension -> "min:opt:max"
+    graphs: list[GraphPlan]
+    plugins: list[dict]
+    options: BuildOptions
+    output: str  # the engine directory in the store
+    plan_version: int = PLAN_VERSION
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @property
+    def key(self) -> str:
+        return f"{self.target}-{self.precision}"
+
+
+def read_export(export_dir: Path) -> dict:
+    manifest_path = export_dir / EXPORT_MANIFEST
+    if not manifest_path.is_file():
+        raise PlanError(f"{export_dir} is not a dlmrt export (no {EXPORT_MANIFEST}): make one with "
+                        f"`dlmrt export MODEL_DIR -o {export_dir}`")
+    try:
+        return json.loads(manifest_path.read_text())
+    except json.JSONDecodeError as error:
+        raise PlanError(f"{manifest_path} is not valid JSON ({error}): re-export the model") from None
+
+
+def _block_length(export_dir: Path) -> int:
+    """The model's default block length (the window most steps run over), from its generation config."""
+    path = export_dir / "generation_config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    return int(config.get("block_length") or 32)
+
+
+def typing_for(tensorrt_version: str) -> str:
+    major = int(tensorrt_version.split(".")[0])
+    if major < 10:
+        raise PlanError(f"TensorRT {tensorrt_version} is too old: dlmrt builds with TensorRT 10.8 or newer "
+                        f"(pip install 'dlmrt[tensorrt]')")
+    return "strongly-typed" if major >= 11 else "precision-flags"
+
+
+def required_plugins() -> list[dict]:
+    """The plugins the step graphs need (every graph holds the unmasking node)."""
+    return [{"name": onnx_function.OP_TYPE, "namespace": onnx_function.DOMAIN,
+             "version": onnx_function.PLUGIN_VERSION}]
+
+
+def make_plan(export_dir: str | Path, target: Target, precision: str, *, tensorrt: str, store: Path,
+              ranges: dict[str, profiles.DimRange] | None = None, graphs: tuple[str, ...] = DEFAULT_GRAPHS,
+              workspace_bytes: int | None = None, optimization_level: int | None = None,
+              timing_cache: bool = True, calibration: str = "task suite", calibration_samples: int = 32,
+              opt_window: int | None = None) -> BuildPlan:
+    """The plan for building `graphs` of the export in `export_dir`; profile dimensions not in `ranges`
+    cover the export's limits, tuned for the target's batch and the model's block length."""
+    export_dir = Path(export_dir)
+    export = read_export(export_dir)
+    if opt_window is None:
+        opt_window = _block_length(export_dir)
+    check_precision(target, precision)
+    typing = typing_for(tensorrt)
+    export_dtype = export["model"]["dtype"]
+    notes = []
+    if typing == "strongly-typed" and precision in GRAPH_DTYPE and export_dtype != GRAPH_DTYPE[precision]:
+        raise PlanError(
+            f"TensorRT {tensorrt} builds strongly typed networks (precision comes from the graph), and this "
+            f"export is {export_dtype}: export in {GRAPH_DTYPE[precision]} for a {precision} engine "
+            f"(`dlmrt export MODEL_DIR --dtype {GRAPH_DTYPE[precision]} -o DIR`)")
+    if typing == "strongly-typed" and precision in QUANTIZERS and export_dtype == "float32":
+        notes.append(f"strongly typed: layers outside the {precision} Q/DQ pairs run in float32, as the export "
+                     f"is; export in bfloat16 to run them in bf16")
+    missing = [graph for graph in graphs if graph not in export["graphs"]]
+    if missing:
+        hint = " (export with --guidance)" if any(g.endswith("_guided") for g in missing) else ""
+        raise PlanError(f"{export_dir} has no {', '.join(missing)} graph{'s' * (len(missing) > 1)}{hint}: "
+                        f"it has {', '.join(export['graphs'])}")
+    chosen = profiles.default_ranges(export["limits"], target.opt_batch, opt_window)
+    chosen.update(ranges or {})
+    profiles.check_within_limits(chosen, export["limits"])
+    graph_plans = [GraphPlan(graph, export["graphs"][graph]["file"],
+                             export["files"][export["graphs"][graph]["file"]],
+                             profiles.input_shapes(export["graphs"][graph]["inputs"], chosen))
+                   for graph in graphs]
+    options = BuildOptions(workspace_bytes if workspace_bytes is not None else target.workspace_bytes,
+                           optimization_level if optimization_level is not None else target.optimization_level,
+                           timing_cache)
+    if not 0 <= options.optimization_level <= 5:
+        raise PlanError(f"--optimization-level must lie in [0, 5], got {options.optimization_level}")
+    if options.workspace_bytes <= 0:
+        raise PlanError(f"--workspace must be positive, got {options.workspace_bytes} bytes")
+    quantization = ({"method": QUANTIZERS[precision], "calibration": calibration, "samples": calibration_samples}
+                    if precision in QUANTIZERS else None)
+    model = export["model"]["name"]
+    return BuildPlan(
+        model=model, export_dir=str(export_dir.resolve()), target=target.name,
+        compute_capability=list(target.compute_capability), precision=precision, tensorrt=tensorrt,
+        typing=typing, builder_flags=list(PRECISION_FLAGS[precision]) if typing == "precision-flags" else [],
+        export_dtype=export_dtype, quantization=quantization, ranges={k: str(v) for k, v in chosen.items()},
+        graphs=graph_plans, plugins=required_plugins(), options=options,
+        output=str(Path(store) / model / f"{target.name}-{precision}"), notes=notes)
