@@ -19,3 +19,11 @@ class UnsupportedFeatureError(CheckpointError):
 
 class ArgumentError(DlmrtError, ValueError):
     """A generation argument or prompt is invalid."""
+
+
+class MissingExtraError(DlmrtError, ImportError):
+    """An optional dependency (a `dlmrt[...]` extra) is needed and not installed."""
+
+
+class KernelInputError(DlmrtError, ValueError):
+    """Tensors handed to a kernel or plugin have the wrong dtype, shape, device or size."""

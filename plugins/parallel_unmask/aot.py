@@ -1,0 +1,113 @@
+"""Ahead-of-time compilation of the Triton kernels to PTX, for GPUs this machine need not have.
+
+`compile_kernel(name, cc)` runs `triton.compile` for `GPUTarget("cuda", cc, 32)` and returns what a
+TensorRT AOT plugin needs: the PTX, its entry name, the threads per block and the shared memory.
+
+Triton (3.3+) appends two pointer parameters to every kernel (global and profile scratch) that its
+own launcher fills in. TensorRT passes only the node's inputs, the extra scalars and the outputs,
+so the PTX is handed over without them; that is refused when the kernel does use scratch memory.
+
+Under TRITON_INTERPRET=1 `triton.jit` makes interpreted functions, which cannot be compiled. Then
+the compilation runs in a fresh interpreter without the variable (`python -m
+dlmrt.plugins.parallel_unmask.aot KERNEL CC` prints the result as JSON), so tests and tools may
+mix the interpreter and AOT compilation in one process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+
+from dlmrt.errors import KernelInputError
+from dlmrt.plugins.parallel_unmask import triton_kernels
+
+TARGETS = (90, 100, 120)  # H100/H200, B200, RTX 5090
+
+_PARALLEL_UNMASK = {
+    "logits": "*fp32", "ids": "*i64", "positions": "*i64", "count": "*i64", "threshold": "*fp32",
+    "factor": "*fp32", "temperature": "*fp32", "seed": "*i64", "step": "*i64", "measure": "*i64",
+    "W": "i32", "V": "i32", "mask_id": "i32",
+    "new_ids": "*i64", "confidence": "*fp32", "commit": "*i1", "committed": "*i64",
+}
+# The non-constexpr arguments of each kernel, in order, with Triton's type names.
+SIGNATURES = {
+    "parallel_unmask_kernel": _PARALLEL_UNMASK,
+    "position_kernel": {name: _PARALLEL_UNMASK[name] for name in (
+        "logits", "ids", "positions", "seed", "step", "temperature", "measure", "W", "V", "mask_id", "new_ids",
+        "confidence")},
+    "commit_kernel": {name: _PARALLEL_UNMASK[name] for name in (
+        "ids", "count", "threshold", "factor", "W", "mask_id", "new_ids", "confidence", "commit", "committed")},
+    "residual_kernel": {"logits": "*fp32", "embedding": "*fp32", "z": "*fp32", "certainty": "*fp32", "N": "i32",
+                        "V": "i32", "H": "i32"},
+}
+
+
+@dataclass(frozen=True)
+class CompiledKernel:
+    kernel: str  # the function in triton_kernels
+    cc: int  # compute capability, e.g. 90 for sm_90
+    name: str  # the PTX entry
+    ptx: str
+    threads: int  # threads per block (block_x); the grid is the launcher's (one program per row for the op)
+    shared_mem: int  # dynamic shared memory in bytes
+    constexprs: dict[str, int]
+
+
+def compile_kernel(kernel: str = "parallel_unmask_kernel", cc: int = 90) -> CompiledKernel:
+    if kernel not in SIGNATURES:
+        raise KernelInputError(f"unknown kernel {kernel!r} (known: {', '.join(SIGNATURES)})")
+    if triton_kernels.interpreted():
+        return _compile_in_subprocess(kernel, cc)
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    config = triton_kernels.CONFIGS[kernel]
+    signature = dict(SIGNATURES[kernel], **{name: "constexpr" for name in config.constexprs})
+    source = triton.compiler.ASTSource(getattr(triton_kernels, kernel), signature, constexprs=config.constexprs)
+    # No FMA contraction: the interpreter, where the kernels are tested, has none either.
+    compiled = triton.compile(source, target=GPUTarget("cuda", cc, 32),
+                              options={"num_warps": config.num_warps, "enable_fp_fusion": False})
+    metadata = compiled.metadata
+    if metadata.global_scratch_size or metadata.profile_scratch_size:
+        raise KernelInputError(f"{kernel} for sm_{cc} needs Triton scratch memory, which a TensorRT plugin "
+                               "cannot pass")
+    ptx = _drop_params(compiled.asm["ptx"], metadata.name, keep=len(SIGNATURES[kernel]))
+    return CompiledKernel(kernel, cc, metadata.name, ptx, metadata.num_warps * 32, metadata.shared,
+                          dict(config.constexprs))
+
+
+def _drop_params(ptx: str, entry: str, keep: int) -> str:
+    """The PTX with the entry's parameters from index `keep` on removed; each must be unused."""
+    match = re.search(rf"\.entry {re.escape(entry)}\((.*?)\)", ptx, flags=re.S)
+    if match is None:
+        raise KernelInputError(f"no entry {entry} in the PTX")
+    params = [p.strip() for p in match.group(1).split(",")]
+    for param in params[keep:]:
+        name = param.split()[-1]
+        if ptx.count(name) != 1:
+            raise KernelInputError(f"{entry}: Triton's parameter {name} is used by the kernel")
+    kept = ",\n\t".join(params[:keep])
+    return ptx[:match.start(1)] + f"\n\t{kept}\n" + ptx[match.end(1):]
+
+
+def _compile_in_subprocess(kernel: str, cc: int) -> CompiledKernel:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-m", __name__, kernel, str(cc)], env=env, capture_output=True,
+                          text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"compiling {kernel} for sm_{cc} in a subprocess failed:\n{done.stderr}")
+    return CompiledKernel(**json.loads(done.stdout))
+
+
+def main(argv: list[str]) -> None:
+    kernel, cc = argv
+    print(json.dumps(dataclasses.asdict(compile_kernel(kernel, int(cc)))))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

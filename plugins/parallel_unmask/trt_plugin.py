@@ -1,0 +1,80 @@
+"""`dlmrt::ParallelUnmask` as a TensorRT plugin (`tensorrt.plugin`, TensorRT 10.8+).
+
+`register()` registers the shape/type descriptor and an AOT implementation: at build time it hands
+TensorRT the PTX of `triton_kernels.parallel_unmask_kernel` compiled for the build GPU (see `aot`),
+so a serialized engine runs the kernel without Python. The TensorRT ONNX parser maps a
+`dlmrt::ParallelUnmask` node to this plugin by its `plugin_namespace` attribute.
+
+Types: the I/O keep the ONNX node's types. TensorRT 10 has INT64 tensors and plugins take them, so
+ids, positions, count, seed, step, measure, new_ids and committed stay int64 and the graph needs no
+casts; `commit` is BOOL, one byte per element as the kernel writes it. Kernel scalars can only be
+int32 (`SymInt32`): W, V and mask_id are passed as such.
+
+Not verified here (no TensorRT on the development machines): that the parser passes only
+`mask_id` on as a plugin field, and that this TensorRT version accepts BOOL plugin outputs (older
+documentation of PluginTensorDesc lists kBOOL as unsupported). The tests marked `trt` check the
+registration; building an engine from an exported step graph is the check for both.
+"""
+
+from typing import Tuple
+
+from dlmrt.errors import MissingExtraError
+
+_registered = False
+
+
+def plugin_id() -> str:
+    from dlmrt.plugins.parallel_unmask import onnx_function
+    return f"{onnx_function.DOMAIN}::{onnx_function.OP_TYPE}"
+
+
+def register() -> None:
+    """Register the plugin with TensorRT's plugin registry (once per process)."""
+    global _registered
+    if _registered:
+        return
+    try:
+        import tensorrt as trt
+        import tensorrt.plugin as trtp
+    except ImportError as error:
+        raise MissingExtraError("the TensorRT plugin of dlmrt::ParallelUnmask needs TensorRT 10.8 or newer: "
+                                "pip install 'dlmrt[tensorrt]'") from error
+    _define(trt, trtp)
+    _registered = True
+
+
+def _build_target() -> int:
+    """The compute capability of the GPU the engine is built on (and for)."""
+    from triton.runtime import driver
+    return driver.active.get_current_target().arch
+
+
+def _define(trt, trtp) -> None:
+    from dlmrt.plugins.parallel_unmask import aot, onnx_function
+
+    if onnx_function.PLUGIN_VERSION != "1":
+        raise RuntimeError(f"tensorrt.plugin registers version 1, the ONNX node asks for "
+                           f"{onnx_function.PLUGIN_VERSION}")
+    name = plugin_id()
+    Desc = trtp.TensorDesc
+
+    @trtp.register(name)
+    def describe(logits: Desc, ids: Desc, positions: Desc, count: Desc, threshold: Desc, factor: Desc,
+                 temperature: Desc, seed: Desc, step: Desc, measure: Desc,
+                 mask_id: int) -> Tuple[Desc, Desc, Desc, Desc]:
+        return (ids.like(), trtp.from_shape_expr(ids.shape_expr, dtype=trt.float32),
+                trtp.from_shape_expr(ids.shape_expr, dtype=trt.bool), count.like())
+
+    @trtp.aot_impl(name)
+    def compiled(logits: Desc, ids: Desc, positions: Desc, count: Desc, threshold: Desc, factor: Desc,
+                 temperature: Desc, seed: Desc, step: Desc, measure: Desc, mask_id: int,
+                 outputs: Tuple[Desc], tactic: int):
+        kernel = aot.compile_kernel("parallel_unmask_kernel", _build_target())
+        launch = trtp.KernelLaunchParams()
+        launch.grid_x = ids.shape_expr[0]  # one program per row
+        launch.block_x = kernel.threads
+        launch.shared_mem = kernel.shared_mem
+        # the kernel's scalars, between the input and output pointers: W, V, mask_id
+        scalars = trtp.SymIntExprs.from_tuple([trtp.SymInt32(e) for e in (ids.shape_expr[1],
+                                                                          logits.shape_expr[2], mask_id)])
+        return kernel.name.encode(), kernel.ptx.encode(), launch, scalars
