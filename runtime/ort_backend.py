@@ -171,22 +171,9 @@ class OrtBackend(Backend):
         shapes = inputs.shapes()
         self.prepare(shapes)
         buffers = self._buffers[shapes]
-        graph = graph_name(cached=inputs.past_kv is not None, guided=shapes.guided)
+        graph, feeds = self.feeds(inputs)
         session = self.sessions[graph]
         binding = session.io_binding()
-        window = inputs.ids.shape[1]
-        feeds = {
-            "ids": inputs.ids, "positions": inputs.positions, "key_mask": inputs.key_mask[:, -window:],
-            "block_index": self._block(inputs.block_offset, inputs.block_length),
-            **inputs.params._asdict(), "measure": self._measures(inputs.confidence, shapes.batch),
-        }
-        if inputs.past_kv is not None:
-            feeds.update(past_kv=inputs.past_kv, past_positions=inputs.past_positions,
-                         past_key_mask=inputs.key_mask[:, :-window])
-        if self.spec.has_residual:
-            feeds.update(z=inputs.z, certainty=inputs.certainty)
-        if shapes.guided:
-            feeds.update(prompt_lengths=inputs.prompt_lengths, cfg_scale=self._cfg_scale(inputs.cfg_scale))
         keep = []  # contiguous copies must outlive the run
         for name, tensor in feeds.items():
             tensor = tensor.contiguous()
@@ -200,6 +187,25 @@ class OrtBackend(Backend):
             binding.bind_output(name, "cpu", 0, _NUMPY[tensor.dtype], list(tensor.shape), tensor.data_ptr())
         session.run_with_iobinding(binding)
         return buffers
+
+    def feeds(self, inputs: StepInputs) -> tuple[str, dict[str, torch.Tensor]]:
+        """The graph that runs this step, and its inputs by name (torch tensors, possibly strided)."""
+        shapes = inputs.shapes()
+        graph = graph_name(cached=inputs.past_kv is not None, guided=shapes.guided)
+        window = inputs.ids.shape[1]
+        feeds = {
+            "ids": inputs.ids, "positions": inputs.positions, "key_mask": inputs.key_mask[:, -window:],
+            "block_index": self._block(inputs.block_offset, inputs.block_length),
+            **inputs.params._asdict(), "measure": self._measures(inputs.confidence, shapes.batch),
+        }
+        if inputs.past_kv is not None:
+            feeds.update(past_kv=inputs.past_kv, past_positions=inputs.past_positions,
+                         past_key_mask=inputs.key_mask[:, :-window])
+        if self.spec.has_residual:
+            feeds.update(z=inputs.z, certainty=inputs.certainty)
+        if shapes.guided:
+            feeds.update(prompt_lengths=inputs.prompt_lengths, cfg_scale=self._cfg_scale(inputs.cfg_scale))
+        return graph, feeds
 
     def _block(self, offset: int, length: int) -> torch.Tensor:
         key = (offset, length)
