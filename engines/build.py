@@ -96,6 +96,25 @@ def run(plan: BuildPlan, store: EngineStore, *, device: str, tensorrt_version: s
     return store.entry(plan.model, plan.key)
 
 
+def quantizer(plan: BuildPlan, prompts: Path | None) -> Callable[[GraphPlan, Path], None] | None:
+    """How fp8 / nvfp4 builds quantize each graph: calibration inputs recorded from the real step loop
+    on `prompts` (None: the task suite), then modelopt's FP8 PTQ or dlmrt's NVFP4 writer."""
+    if plan.quantization is None:
+        return None
+    from dlmrt.engines.quant import calibration
+
+    if plan.precision == "fp8":
+        from dlmrt.engines.quant.fp8 import quantize_onnx
+    else:
+        from dlmrt.engines.quant.nvfp4_onnx import quantize_onnx
+
+    def quantize(graph: GraphPlan, target: Path) -> None:
+        feeds = calibration.calibration_feeds(plan.export_dir, graph.name, prompts=prompts,
+                                              count=plan.quantization["samples"])
+        quantize_onnx(Path(plan.export_dir) / graph.onnx, target, feeds)
+    return quantize
+
+
 def dry_run_problems(plan: BuildPlan) -> Sequence[preflight.Problem]:
     """Preflight of the export's own graphs; a quantized precision's Q/DQ check waits for quantization."""
     paths = {graph.name: Path(plan.export_dir) / graph.onnx for graph in plan.graphs}

@@ -182,6 +182,26 @@ def test_a_changed_export_is_not_built(tiny_export, tmp_path):
                   engine_builder=StandInBuilder())
 
 
+@pytest.mark.parametrize("precision", ["nvfp4", "fp8"])
+def test_a_quantized_build_builds_from_the_quantized_graph_that_passes_preflight(tiny_export, tmp_path, precision):
+    if precision == "fp8":
+        pytest.importorskip("modelopt", reason="FP8 quantization needs nvidia-modelopt (pip install 'dlmrt[quant]')")
+    store = EngineStore(tmp_path / "engines")
+    plan = make_plan(tiny_export, targets.target_named("sm_100"), precision, tensorrt=TENSORRT, store=store.root,
+                     calibration_samples=8)
+    steps = []
+    entry = build.run(plan, store, device="NVIDIA B200", tensorrt_version=TENSORRT,
+                      quantize=build.quantizer(plan, None), engine_builder=StandInBuilder(), on_step=steps.append)
+    assert steps == [f"quantizing full ({precision})", f"quantizing cached ({precision})", "preflight",
+                     "building full", "building cached"]
+    record = manifest.read(entry)
+    for graph in ("full", "cached"):
+        quantized = entry / "quantized" / f"step_{graph}.onnx"
+        info = record["graphs"][graph]
+        assert info["built_from_sha256"] == hashlib.sha256(quantized.read_bytes()).hexdigest() != info["onnx_sha256"]
+        assert (entry / info["engine"]).read_bytes().endswith(info["built_from_sha256"].encode())
+
+
 # ---- selection --------------------------------------------------------------------------------------------
 
 def test_selection_finds_the_engine_for_this_gpu(tiny_export, tmp_path):
@@ -268,7 +288,7 @@ def test_inspect_shows_a_manifest_and_fails_on_a_bad_hash(tiny_export, tmp_path)
 
 @pytest.mark.trt
 @pytest.mark.gpu
-def test_tensorrt_builds_the_tiny_models_engines(tiny_export, tmp_path):
+def test_tensorrt_builds_the_tiny_models_engines(request, tmp_path):
     version = builder.installed_tensorrt()
     if version is None:
         pytest.skip("TensorRT is not installed (it cannot be installed on the CPU machines)")
@@ -276,6 +296,7 @@ def test_tensorrt_builds_the_tiny_models_engines(tiny_export, tmp_path):
         pytest.skip("no CUDA GPU: TensorRT builds for the GPU it runs on")
     capability, name = targets.running_gpu()
     target = targets.target_for_capability(capability, name)
+    tiny_export = request.getfixturevalue("tiny_export")
     store = EngineStore(tmp_path / "engines")
     plan = make_plan(tiny_export, target, "fp16", tensorrt=version, store=store.root) \
         if int(version.split(".")[0]) < 11 else None

@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# Every check that needs a GPU or TensorRT, in one run, ending with a short table.
+#
+#   scripts/gpu_check.sh            # on a machine with an NVIDIA GPU (TensorRT optional)
+#
+# Runs the tests marked `gpu` or `trt` (the Triton kernels compiled and run on the device, the NVIDIA
+# GPU paths of quantization, TensorRT builds where TensorRT is installed), then plans (and, with
+# TensorRT, builds and inspects) an engine of the tiny model for the running GPU. Sized to finish in
+# under 8 minutes; each step has its own time limit. Results and logs go to $OUT (else a temp dir).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+results=${OUT:-$(mktemp -d)}
+mkdir -p "$results"
+python=${PYTHON:-python3}
+export DLMRT_HOME="$results/dlmrt-home"
+
+if ! "$python" -c "import dlmrt" 2>/dev/null; then
+    "$python" -m pip install --no-deps -q -e . || exit 1
+fi
+nvidia-smi --query-gpu=name,compute_cap,driver_version --format=csv,noheader || echo "nvidia-smi: no GPU"
+"$python" - <<'PY'
+import importlib.util, torch
+print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, GPU: {torch.cuda.is_available()}")
+for name in ("triton", "tensorrt", "modelopt", "onnxruntime"):
+    spec = importlib.util.find_spec(name)
+    print(f"{name}: {'present' if spec else 'absent'}")
+PY
+
+timeout 360 "$python" -m pytest -m "gpu or trt" -rs -q -p no:cacheprovider \
+    --junitxml "$results/gpu_tests.xml" tests 2>&1 | tee "$results/gpu_tests.log"
+
+steps="$results/steps.tsv"
+: > "$steps"
+step() {  # step NAME LIMIT COMMAND...: run one command, record its outcome and time
+    local name=$1 limit=$2; shift 2
+    local started=$SECONDS
+    if timeout "$limit" "$@" > "$results/$name.log" 2>&1; then status=passed; else status="failed ($?)"; fi
+    printf '%s\t%s\t%s\n' "$name" "$status" "$((SECONDS - started))" >> "$steps"
+}
+export_dir="$results/tiny-export"
+step export 120 "$python" -m dlmrt.cli export -o "$export_dir" --max-batch 8 --max-length 64
+step plan 60 "$python" -m dlmrt.cli build "$export_dir" --target auto --precision fp8 --dry-run
+if "$python" -c "import tensorrt" 2>/dev/null; then
+    step build 240 "$python" -m dlmrt.cli build "$export_dir" --target auto --precision fp8
+    step inspect 30 "$python" -m dlmrt.cli inspect "$DLMRT_HOME/engines"
+fi
+
+"$python" - "$results/gpu_tests.xml" "$steps" <<'PY'
+import sys
+import xml.etree.ElementTree as ET
+from rich.console import Console
+from rich.table import Table
+
+table = Table(title="GPU and TensorRT checks")
+for column in ("check", "result", "seconds"):
+    table.add_column(column)
+for case in ET.parse(sys.argv[1]).iter("testcase"):
+    outcome = "passed"
+    for child in case:
+        if child.tag in ("failure", "error"):
+            outcome = child.tag
+        elif child.tag == "skipped":
+            outcome = "skipped: " + (child.get("message") or "")[:70]
+    table.add_row(f"{case.get('classname').split('.')[-1]}::{case.get('name')}", outcome,
+                  f"{float(case.get('time', 0)):.1f}")
+for line in open(sys.argv[2]):
+    name, outcome, seconds = line.rstrip("\n").split("\t")
+    table.add_row(f"dlmrt {name} (tiny model)", outcome, seconds)
+Console(width=140).print(table)
+PY
