@@ -34,8 +34,10 @@ def reference(x: np.ndarray, global_scale: np.float32 | None = None):
         amax = np.abs(x).max()
         global_scale = amax / np.float32(6 * 448) if amax > 0 else np.float32(1)
     blocks = x.reshape(*x.shape[:-1], -1, 16)
-    scales = np.minimum(np.abs(blocks).max(-1) / (np.float32(6) * global_scale), np.float32(448)).astype(F8)
-    scales[scales.astype(np.float32) == 0] = 1
+    raw = np.abs(blocks).max(-1) / (np.float32(6) * global_scale)
+    # zero blocks get scale 1, blocks whose scale would underflow E4M3 its smallest step (2^-9)
+    raw = np.where(raw == 0, np.float32(1), np.clip(raw, np.float32(2.0 ** -9), np.float32(448)))
+    scales = raw.astype(F8)
     codes = (blocks / (scales.astype(np.float32) * global_scale)[..., None]).astype(F4)
     values = codes.astype(np.float32) * (scales.astype(np.float32) * global_scale)[..., None]
     return codes.view(np.uint8).reshape(x.shape), scales, values.reshape(x.shape)
@@ -114,11 +116,15 @@ def test_zero_blocks_negative_zero_and_a_zero_tensor():
     assert q.block_scales.float()[:, 0].tolist() == [1.0, 1.0]  # all-zero blocks: scale 1, codes 0
     assert q.codes[0, :16].eq(0).all() and q.codes[1, 0] == 8
     assert torch.signbit(nvfp4.fake_quantize(x)[1, 0])
-    # A block far below the tensor's amax: its scale 1e-6 / (6 * 1000 / 2688) underflows E4M3's
-    # smallest step (2^-9), so it is stored as 1.0 and its elements as (signed) zero.
+    # A block far below the tensor's amax: its scale 1e-6 / (6 * 1000 / 2688) underflows E4M3, so it
+    # is stored as E4M3's smallest step (2^-9), and its elements, 1e-6 / (2^-9 * 1000 / 2688), as 0.
     tiny_block = torch.tensor([[1000.0] + [0.0] * 15, [1e-6] * 8 + [-1e-6] * 8])
     q = nvfp4.quantize(tiny_block)
-    assert q.block_scales.float()[1].item() == 1.0 and q.codes[1].tolist() == [0] * 8 + [8] * 8
+    assert q.block_scales.float()[1].item() == 2.0 ** -9 and q.codes[1].tolist() == [0] * 8 + [8] * 8
+    # 5e-4 underflows too (5e-4 / 2.23 < 2^-10), but 5e-4 / (2^-9 * 1000 / 2688) = 0.69 rounds to
+    # E2M1's 0.5 (code 1) instead of vanishing
+    small_block = torch.tensor([[1000.0] + [0.0] * 15, [5e-4] * 16])
+    assert nvfp4.quantize(small_block).codes[1].tolist() == [1] * 16
     assert_matches_reference(tiny_block)
     zero = nvfp4.quantize(torch.zeros(3, 16))
     assert zero.global_scale.item() == 1.0 and zero.codes.eq(0).all()
@@ -401,3 +407,24 @@ def test_the_opset_move_keeps_the_step_graph_s_outputs(quantized):
            for m in (original, moved)]
     for before, after in zip(*run):
         np.testing.assert_array_equal(before, after)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_quantizer_agrees_with_modelopts_nvfp4_tensor(device):
+    """modelopt's NVFP4 tensor (its torch path) is the format as TensorRT's tooling writes it."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    qtensor = pytest.importorskip("modelopt.torch.quantization.qtensor.nvfp4_tensor",
+                                  reason="needs nvidia-modelopt's torch side (pip install 'dlmrt[quant]')")
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(32, 128, generator=generator) * torch.exp(3 * torch.randn(32, 128, generator=generator))
+    x[0, :16] = 0  # a zero block
+    x[1, :16] = 1e-6 * torch.randn(16, generator=generator)  # a block whose scale underflows
+    x = x.to(device)
+    data, block_scales, global_scale = qtensor.NVFP4QTensor.quantize(x, 16)
+    ours = nvfp4.quantize(x)
+    assert torch.equal(global_scale.reshape(()), ours.global_scale)
+    assert torch.equal(block_scales.view(torch.uint8), ours.block_scales.view(torch.uint8))
+    theirs = data.dequantize(dtype=torch.float32, scale=block_scales, double_scale=global_scale,
+                             block_sizes={-1: 16})
+    assert torch.equal(theirs, nvfp4.dequantize(ours))

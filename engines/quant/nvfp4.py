@@ -16,10 +16,10 @@ Decisions, where the format leaves room:
 - Rounding: both casts round to nearest, ties to even, and saturate (E2M1 at 6, E4M3 at 448), as
   the E2M1/E4M3 casts of CUDA, ONNX (`saturate=1`) and ml_dtypes do and as modelopt's reference
   quantizer rounds (its decision bounds 0.25, 0.75, ..., 5 break ties toward the even code).
-- A block whose E4M3 scale would be 0 (an all-zero block, or one so small against the tensor's
-  amax that its scale underflows) gets scale 1.0, as modelopt writes it: TensorRT's parser wants
-  positive scales, and such a block's elements quantize to (signed) zero either way. A tensor
-  whose amax is 0 gets global scale 1.0 likewise.
+- An all-zero block gets scale 1.0, and a block whose E4M3 scale would underflow (one far below the
+  tensor's amax) gets E4M3's smallest step, 2^-9, as modelopt writes them: TensorRT's parser wants
+  positive scales, and the smallest step keeps what can be kept of a tiny block. A tensor whose
+  amax is 0 gets global scale 1.0.
 - The last dimension must be a multiple of 16: TensorRT's FP4 GEMM refuses anything else, so a
   Linear whose input width is not is left in high precision (here and in `nvfp4_onnx`) rather
   than padded.
@@ -52,6 +52,7 @@ if TYPE_CHECKING:
 BLOCK_SIZE = 16
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
+E4M3_SMALLEST = 2.0 ** -9  # the smallest positive E4M3 value (a subnormal)
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # by code; code | 8 is the negative
 # Midpoints between neighbouring E2M1 magnitudes. A tie goes to the even code: down at these...
 _TIES_DOWN = (0.25, 1.25, 2.5, 5.0)
@@ -126,8 +127,8 @@ def quantize(x: Tensor, global_scale: float | Tensor | None = None) -> NVFP4Tens
     global_scale = torch.as_tensor(global_scale, dtype=torch.float32).reshape(())
     if not (torch.isfinite(global_scale) and global_scale > 0):
         raise QuantizationError(f"an NVFP4 global scale must be finite and positive, got {global_scale.item()}")
-    scales = e4m3(blocks.abs().amax(-1) / (E2M1_MAX * global_scale))
-    scales = torch.where(scales.float() == 0, torch.ones_like(scales), scales)
+    raw = blocks.abs().amax(-1) / (E2M1_MAX * global_scale)
+    scales = e4m3(torch.where(raw == 0, torch.ones_like(raw), raw.clamp(min=E4M3_SMALLEST)))
     codes = e2m1_codes(blocks / (scales.float() * global_scale)[..., None])
     return NVFP4Tensor(codes.reshape(x.shape), scales, global_scale)
 
