@@ -17,7 +17,8 @@ def _default_mode(mode: int) -> int:
     return mode & ~umask
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make a rename or creation inside `path` durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -41,7 +42,7 @@ def write_bytes(path: str | os.PathLike, data: bytes) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def write_text(path: str | os.PathLike, text: str) -> None:
@@ -74,7 +75,7 @@ def directory(path: str | os.PathLike) -> Iterator[Path]:
             shutil.rmtree(retired)
         else:
             os.replace(staging, path)
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

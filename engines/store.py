@@ -18,6 +18,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+from dlmrt import atomic
 from dlmrt.errors import DlmrtError
 from dlmrt.home import home
 
@@ -87,7 +88,7 @@ class EngineStore:
             link = entry.with_name(f".{key}.link-{uuid.uuid4().hex[:8]}")
             os.symlink(Path(VERSIONS) / version.name, link)
             os.replace(link, entry)  # the one atomic step: the entry now names the new version
-            _fsync_dir(entry.parent)
+            atomic.fsync_dir(entry.parent)
             if previous is not None and previous != version.resolve():
                 shutil.rmtree(previous, ignore_errors=True)
 
@@ -117,13 +118,5 @@ def _fsync_tree(root: Path) -> None:
             with open(path, "rb") as f:
                 os.fsync(f.fileno())
         else:
-            _fsync_dir(path)
-    _fsync_dir(root)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+            atomic.fsync_dir(path)
+    atomic.fsync_dir(root)
