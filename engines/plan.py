@@ -13,10 +13,11 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from dlmrt.engines import profiles
+import onnx
+
+from dlmrt.engines import plugin_specs, profiles
 from dlmrt.engines.targets import Target, check_precision
 from dlmrt.errors import DlmrtError
-from dlmrt.plugins.parallel_unmask import onnx_function
 
 PLAN_VERSION = 1
 EXPORT_MANIFEST = "dlmrt.json"
@@ -106,10 +107,9 @@ def typing_for(tensorrt_version: str) -> str:
     return "strongly-typed" if major >= 11 else "precision-flags"
 
 
-def required_plugins() -> list[dict]:
-    """The plugins the step graphs need (every graph holds the unmasking node)."""
-    return [{"name": onnx_function.OP_TYPE, "namespace": onnx_function.DOMAIN,
-             "version": onnx_function.PLUGIN_VERSION}]
+def graph_plugins(export_dir: Path, files: list[str]) -> list[dict]:
+    """The plugins the graphs' custom nodes need (read from the graphs, weights left on disk)."""
+    return plugin_specs.used_by(onnx.load(str(export_dir / name), load_external_data=False) for name in files)
 
 
 def make_plan(export_dir: str | Path, target: Target, precision: str, *, tensorrt: str, store: Path,
@@ -162,5 +162,6 @@ def make_plan(export_dir: str | Path, target: Target, precision: str, *, tensorr
         compute_capability=list(target.compute_capability), precision=precision, tensorrt=tensorrt,
         typing=typing, builder_flags=list(PRECISION_FLAGS[precision]) if typing == "precision-flags" else [],
         export_dtype=export_dtype, quantization=quantization, ranges={k: str(v) for k, v in chosen.items()},
-        graphs=graph_plans, plugins=required_plugins(), options=options,
+        graphs=graph_plans, plugins=graph_plugins(export_dir, [graph.onnx for graph in graph_plans]),
+        options=options,
         output=str(Path(store) / model / f"{target.name}-{precision}"), notes=notes)

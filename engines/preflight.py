@@ -19,8 +19,8 @@ import onnx
 from onnx import TensorProto
 
 from dlmrt.engines.plan import BuildPlan, GraphPlan
+from dlmrt.engines.plugin_specs import KNOWN, PluginSpec
 from dlmrt.errors import DlmrtError
-from dlmrt.plugins.parallel_unmask import onnx_function
 
 # The parser's documented opset ceiling per TensorRT major version (its support matrix). NVFP4
 # graphs need opset 23 (FLOAT4E2M1 in DequantizeLinear), which TensorRT 10.8+ parses for FP4.
@@ -40,10 +40,6 @@ UNSUPPORTED_OPS = frozenset({
 TRT_DOMAIN = "trt"
 TRT_OPS = frozenset({"TRT_FP4DynamicQuantize", "TRT_FP8QuantizeLinear", "TRT_FP8DequantizeLinear",
                      "TRT_INT4QuantizeLinear", "TRT_MXFP8DynamicQuantize"})
-# Fields each plugin node must carry, beside the namespace and version, with their attribute types.
-PLUGIN_FIELDS = {(onnx_function.DOMAIN, onnx_function.OP_TYPE): {"mask_id": onnx.AttributeProto.INT}}
-PLUGIN_ARITY = {(onnx_function.DOMAIN, onnx_function.OP_TYPE): (len(onnx_function.INPUTS),
-                                                                len(onnx_function.OUTPUTS))}
 FP8_TYPES = {TensorProto.FLOAT8E4M3FN}
 QUANTIZED_TYPES = {"fp8": FP8_TYPES, "nvfp4": {TensorProto.FLOAT4E2M1}}
 SIXTEEN_BIT = {"bf16": TensorProto.BFLOAT16, "fp16": TensorProto.FLOAT16}
@@ -106,7 +102,7 @@ def _opset(plan: BuildPlan, model: onnx.ModelProto):
 
 
 def _operators(plan: BuildPlan, model: onnx.ModelProto):
-    declared = {(p["namespace"], p["name"]): p for p in plan.plugins}
+    declared = {(p["namespace"], p["name"]) for p in plan.plugins} & set(KNOWN)
     functions = {(f.domain, f.name) for f in model.functions}
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 18)
     for node in model.graph.node:
@@ -120,7 +116,7 @@ def _operators(plan: BuildPlan, model: onnx.ModelProto):
             if node.op_type not in TRT_OPS:
                 yield where, f"not a TensorRT operator (known: {', '.join(sorted(TRT_OPS))})"
         elif (node.domain, node.op_type) in declared:
-            for what in _plugin_node(node, declared[(node.domain, node.op_type)]):
+            for what in _plugin_node(node, KNOWN[(node.domain, node.op_type)]):
                 yield where, what
         elif (node.domain, node.op_type) in functions:
             yield where, ("a custom-domain node with no plugin in the plan: TensorRT would inline its ONNX "
@@ -129,27 +125,27 @@ def _operators(plan: BuildPlan, model: onnx.ModelProto):
             yield where, "a custom-domain node that is neither a declared plugin nor a function of the model"
 
 
-def _plugin_node(node: onnx.NodeProto, plugin: dict):
+def _plugin_node(node: onnx.NodeProto, plugin: PluginSpec):
     attributes = {a.name: a for a in node.attribute}
 
     def string(name: str) -> str | None:
         return attributes[name].s.decode() if name in attributes else None
 
-    if string("plugin_namespace") != plugin["namespace"]:
+    if string("plugin_namespace") != plugin.namespace:
         yield (f"plugin_namespace is {string('plugin_namespace')!r}, the registered plugin's is "
-               f"{plugin['namespace']!r}: the parser would not find the plugin")
-    if string("plugin_version") != plugin["version"]:
+               f"{plugin.namespace!r}: the parser would not find the plugin")
+    if string("plugin_version") != plugin.version:
         yield (f"plugin_version is {string('plugin_version')!r}, the registered plugin is version "
-               f"{plugin['version']!r}: re-export with this dlmrt")
-    key = (node.domain, node.op_type)
-    for name, kind in PLUGIN_FIELDS.get(key, {}).items():
+               f"{plugin.version!r}: re-export with this dlmrt")
+    for name, kind in plugin.fields.items():
         if name not in attributes:
             yield f"lacks the plugin field {name!r}"
         elif attributes[name].type != kind:
-            yield f"plugin field {name!r} has the wrong type ({onnx.AttributeProto.AttributeType.Name(attributes[name].type)})"
-    inputs, outputs = PLUGIN_ARITY.get(key, (len(node.input), len(node.output)))
-    if (len(node.input), len(node.output)) != (inputs, outputs):
-        yield f"has {len(node.input)} inputs and {len(node.output)} outputs, the plugin takes {inputs} and {outputs}"
+            kind_name = onnx.AttributeProto.AttributeType.Name(attributes[name].type)
+            yield f"plugin field {name!r} has the wrong type ({kind_name})"
+    if (len(node.input), len(node.output)) != (plugin.inputs, plugin.outputs):
+        yield (f"has {len(node.input)} inputs and {len(node.output)} outputs, the plugin takes {plugin.inputs} "
+               f"and {plugin.outputs}")
 
 
 def _constants(model: onnx.ModelProto) -> dict[str, np.ndarray]:

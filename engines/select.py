@@ -13,7 +13,8 @@ from pathlib import Path
 
 from dlmrt.engines import manifest as manifests
 from dlmrt.engines import targets
-from dlmrt.engines.plan import read_export, required_plugins
+from dlmrt.engines.plan import read_export
+from dlmrt.engines.plugin_specs import outdated
 from dlmrt.engines.store import EngineStore
 from dlmrt.errors import DlmrtError
 
@@ -71,10 +72,7 @@ def _mismatches(record: dict, export: dict, capability: tuple[int, int], tensorr
                      f"{wanted_capability}")
     if record["tensorrt_version"] != tensorrt_version:
         found.append(f"it was built with TensorRT {record['tensorrt_version']}, this is TensorRT {tensorrt_version}")
-    if record["plugins"] != required_plugins():
-        have = ", ".join(f"{p['namespace']}::{p['name']} v{p['version']}" for p in record["plugins"])
-        want = ", ".join(f"{p['namespace']}::{p['name']} v{p['version']}" for p in required_plugins())
-        found.append(f"it holds plugins {have}, this dlmrt has {want}")
+    found += [f"it holds plugin {plugin}" for plugin in outdated(record["plugins"])]
     for graph in graphs:
         info = record["graphs"].get(graph)
         exported = export["graphs"].get(graph)
