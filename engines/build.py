@@ -71,6 +71,19 @@ def load_for_checks(paths: dict[str, Path]) -> dict[str, onnx.ModelProto]:
     return {name: onnx.load(str(path), load_external_data=False) for name, path in paths.items()}
 
 
+def reusable_timing_cache(plan: BuildPlan, store: EngineStore, tensorrt_version: str) -> bytes | None:
+    """The entry's timing cache, if the last build ran the same TensorRT (a cache from another version
+    does not load)."""
+    entry = store.entry(plan.model, plan.key)
+    try:
+        previous = manifest.read(entry)
+    except manifest.ManifestError:
+        return None
+    if previous.get("tensorrt_version") != tensorrt_version:
+        return None
+    return store.read_timing_cache(plan.model, plan.key)
+
+
 def run(plan: BuildPlan, store: EngineStore, *, device: str, tensorrt_version: str,
         quantize: Callable[[GraphPlan, Path], None] | None = None,
         engine_builder: EngineBuilder = builder.build_graph,
@@ -78,7 +91,7 @@ def run(plan: BuildPlan, store: EngineStore, *, device: str, tensorrt_version: s
     """Build every graph of `plan` into a new version of its store entry; returns the entry."""
     check_export(plan)
     started = time.perf_counter()
-    cache = store.read_timing_cache(plan.model, plan.key) if plan.options.timing_cache else None
+    cache = reusable_timing_cache(plan, store, tensorrt_version) if plan.options.timing_cache else None
     with store.writing(plan.model, plan.key) as staging:
         paths = graphs_to_parse(plan, staging, quantize, on_step)
         on_step("preflight")

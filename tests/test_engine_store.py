@@ -89,6 +89,10 @@ def test_a_rebuild_replaces_the_entry_whole_and_reuses_the_timing_cache(tiny_exp
     third = StandInBuilder(b"v3")
     run_build(tiny_export, store, third, timing_cache=False)
     assert third.caches == [None, b"[full]"]  # no stored cache read; only this build's own
+    upgraded = StandInBuilder(b"v4")
+    build.run(make(tiny_export, store), store, device="NVIDIA H200", tensorrt_version="10.14.1",
+              engine_builder=upgraded)
+    assert upgraded.caches[0] is None  # a cache from another TensorRT version is not handed over
 
 
 def test_a_failing_build_leaves_the_previous_entry(tiny_export, tmp_path):
@@ -306,3 +310,16 @@ def test_tensorrt_builds_the_tiny_models_engines(request, tmp_path):
     assert manifest.problems(entry, manifest.read(entry)) == []
     assert select(store, tiny_export, capability=capability, tensorrt_version=version,
                   precision="fp16").entry == entry
+
+
+def test_a_build_runs_only_on_the_gpu_it_targets(tiny_export, tmp_path, monkeypatch):
+    plan = make_plan(tiny_export, targets.target_named("sm_100"), "bf16", tensorrt=TENSORRT, store=tmp_path)
+    monkeypatch.setattr(targets, "running_gpu", lambda: ((9, 0), "NVIDIA H200"))
+    with pytest.raises(targets.TargetError, match=r"this is NVIDIA H200 \(sm_90\), the plan is for sm_100"):
+        build.check_running_gpu(plan)
+    monkeypatch.setattr(targets, "running_gpu", lambda: ((10, 0), "NVIDIA B200"))
+    assert build.check_running_gpu(plan) == "NVIDIA B200"
+    assert targets.resolve("auto").name == "sm_100"
+    monkeypatch.setattr(targets, "running_gpu", lambda: None)
+    with pytest.raises(targets.TargetError, match="no CUDA GPU"):
+        build.check_running_gpu(plan)
