@@ -100,7 +100,7 @@ def run(plan: BuildPlan, store: EngineStore, *, device: str, tensorrt_version: s
             on_step(f"building {graph.name}")
             engine, cache = engine_builder(plan, graph, paths[graph.name], cache)
             atomic.write_bytes(staging / engine_file(graph.name), engine)
-        if cache:
+        if cache and plan.options.timing_cache:
             atomic.write_bytes(staging / TIMING_CACHE, cache)
         built_from = {name: sha256_of(path) for name, path in paths.items()}
         record = manifest.make(plan, staging, tensorrt_version=tensorrt_version, device=device,

@@ -8,9 +8,10 @@
                                all a runtime needs
 
 Batch, window, prefix and block lengths are dynamic up to the limits recorded in the manifest. The
-`dlmrt::ParallelUnmask` node carries `plugin_namespace`, and the model carries its ONNX local
-function, so ONNX Runtime runs the files as they are. The directory is written atomically: an
-export killed midway leaves no directory that loads.
+`dlmrt::ParallelUnmask` node (and, in ORL graphs, the `dlmrt::ResidualContext` node) carries
+`plugin_namespace`, and the model carries the ONNX local functions of the ops it holds, so ONNX
+Runtime runs the files as they are. The directory is written atomically: an export killed midway
+leaves no directory that loads.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from dlmrt.export.models import Denoiser
 from dlmrt.export.step_graph import GRAPHS, GUIDED_GRAPHS, StepGraph, input_names, output_names
 from dlmrt.hashing import sha256_of
 from dlmrt.plugins.parallel_unmask import MEASURE_CODES, onnx_function
+from dlmrt.plugins.residual_context import onnx_function as residual_function
 
 MANIFEST = "dlmrt.json"
 FORMAT_VERSION = 1
@@ -40,6 +42,8 @@ DEFAULT_OPSET = 18
 # Beyond this, weights go to external data files (protobuf caps a file at 2 GiB).
 EXTERNAL_DATA_BYTES = 1 << 30
 EXPORTABLE_FAMILIES = ("llada", "llada2_moe")
+# The dlmrt custom ops a step graph may hold, by (domain, op_type): their onnx_function modules.
+CUSTOM_OPS = {(f.DOMAIN, f.OP_TYPE): f for f in (onnx_function, residual_function)}
 
 
 def graph_file(graph: str) -> str:
@@ -102,16 +106,21 @@ def _dynamic_shapes(graph: str, names: list[str], max_batch: int, max_length: in
 
 
 def attach_custom_op(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Give every dlmrt::ParallelUnmask node its plugin attributes, and the model the op's functions."""
+    """Give every dlmrt custom node (CUSTOM_OPS) its plugin attributes, and the model the functions of
+    the ops it uses."""
+    used = set()
     for node in model.graph.node:
-        if (node.domain, node.op_type) == (onnx_function.DOMAIN, onnx_function.OP_TYPE):
-            present = {a.name for a in node.attribute}
-            for name, value in (("plugin_namespace", onnx_function.DOMAIN),
-                                ("plugin_version", onnx_function.PLUGIN_VERSION)):
-                if name not in present:
-                    node.attribute.append(onnx.helper.make_attribute(name, value))
+        op = CUSTOM_OPS.get((node.domain, node.op_type))
+        if op is None:
+            continue
+        used.add(op)
+        present = {a.name for a in node.attribute}
+        for name, value in (("plugin_namespace", op.DOMAIN), ("plugin_version", op.PLUGIN_VERSION)):
+            if name not in present:
+                node.attribute.append(onnx.helper.make_attribute(name, value))
     known = {(f.domain, f.name) for f in model.functions}
-    model.functions.extend(f for f in onnx_function.function_protos() if (f.domain, f.name) not in known)
+    for op in sorted(used, key=lambda module: module.OP_TYPE):
+        model.functions.extend(f for f in op.function_protos() if (f.domain, f.name) not in known)
     return model
 
 
@@ -140,7 +149,8 @@ def export_graph(model: Denoiser, graph: str, grid: int | None, opset: int, max_
             dynamo=True, dynamic_shapes=dynamic,
             opset_version=opset, input_names=names, output_names=output_names(residual), verbose=False,
             custom_translation_table={
-                torch.ops.dlmrt.parallel_unmask.default: onnx_function.parallel_unmask_translation})
+                torch.ops.dlmrt.parallel_unmask.default: onnx_function.parallel_unmask_translation,
+                torch.ops.dlmrt.residual_context.default: residual_function.residual_context_translation})
     onnx_model = attach_custom_op(program.model_proto)
     _check_dynamic(onnx_model, dynamic)
     onnx_model.producer_name, onnx_model.producer_version = "dlmrt", __version__
@@ -182,7 +192,8 @@ def export(model: Denoiser, out_dir: str | Path, *, opset: int = DEFAULT_OPSET, 
     if max_batch <= 0:
         raise ArgumentError(f"max-batch must be positive, got {max_batch}")
     grid = (block_length or model.default_block_length) if model.block_causal else None
-    onnx_function.register_schema()
+    for op in CUSTOM_OPS.values():
+        op.register_schema()
     started = time.perf_counter()
     out_dir = Path(out_dir)
     with atomic.directory(out_dir) as staging:

@@ -89,6 +89,7 @@ def test_a_rebuild_replaces_the_entry_whole_and_reuses_the_timing_cache(tiny_exp
     third = StandInBuilder(b"v3")
     run_build(tiny_export, store, third, timing_cache=False)
     assert third.caches == [None, b"[full]"]  # no stored cache read; only this build's own
+    assert not (entry / "timing.cache").exists() and manifest.read(entry)["timing_cache_sha256"] is None
     upgraded = StandInBuilder(b"v4")
     build.run(make(tiny_export, store), store, device="NVIDIA H200", tensorrt_version="10.14.1",
               engine_builder=upgraded)

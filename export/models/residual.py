@@ -21,7 +21,6 @@ Adapters live in `ADAPTERS`; register another beside `mlp` and `linear`.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -31,6 +30,8 @@ from torch import Tensor, nn
 
 from dlmrt.errors import CheckpointError, UnsupportedFeatureError
 from dlmrt.export.models import config as config_parsing
+from dlmrt.plugins.residual_context import torch_op  # noqa: F401  (registers torch.ops.dlmrt.residual_context)
+from dlmrt.plugins.residual_context.reference import distribution, residual_context
 
 
 class Residual(NamedTuple):
@@ -109,16 +110,17 @@ def mix(embeds: Tensor, is_masked: Tensor, residual: Residual | None, adapter: n
 
 
 def next_residual(logits: Tensor, embedding: Tensor, topk: int) -> Residual:
-    """The residual this step hands to the next, from its logits `[B, T, V]` and `E` `[V, H]`."""
-    logp = F.log_softmax(logits.float(), dim=-1)
-    p = logp.exp()
-    entropy = -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1)
-    certainty = (1.0 - entropy / math.log(logits.shape[-1])).clamp(0.0, 1.0)
-    weight = embedding.float()
-    if topk and topk < logits.shape[-1]:
-        top_p, top_ids = p.topk(topk, dim=-1)
-        top_p = top_p / top_p.sum(-1, keepdim=True)
-        z = torch.einsum("btk,btkh->bth", top_p, weight[top_ids])
-    else:
-        z = p @ weight
+    """The residual this step hands to the next, from its logits `[B, T, V]` and `E` `[V, H]`.
+
+    Over the full distribution this is `dlmrt::ResidualContext`; while exporting it is that op (one
+    node in the graph, a TensorRT plugin in an engine), in eager torch its reference, so that eager
+    runs keep autograd and plain torch ops. The top-k variant stays in standard ops."""
+    if not topk or topk >= logits.shape[-1]:
+        if torch.compiler.is_exporting():
+            return Residual(*torch.ops.dlmrt.residual_context(logits, embedding))
+        return Residual(*residual_context(logits, embedding))
+    p, certainty = distribution(logits)
+    top_p, top_ids = p.topk(topk, dim=-1)
+    top_p = top_p / top_p.sum(-1, keepdim=True)
+    z = torch.einsum("btk,btkh->bth", top_p, embedding.float()[top_ids])
     return Residual(z.to(embedding.dtype), certainty.to(embedding.dtype))

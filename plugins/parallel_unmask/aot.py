@@ -1,7 +1,10 @@
-"""Ahead-of-time compilation of the Triton kernels to PTX, for GPUs this machine need not have.
+"""Ahead-of-time compilation of dlmrt's Triton kernels to PTX, for GPUs this machine need not have.
 
 `compile_kernel(name, cc)` runs `triton.compile` for `GPUTarget("cuda", cc, 32)` and returns what a
 TensorRT AOT plugin needs: the PTX, its entry name, the threads per block and the shared memory.
+It compiles the kernels of every custom op (`MODULES` says where each lives: `dlmrt::ParallelUnmask`'s
+here, `dlmrt::ResidualContext`'s in `dlmrt.plugins.residual_context`). `types` overrides argument
+types of the signature, e.g. `{"logits": "*bf16"}` for a kernel that serves several dtypes.
 
 Triton (3.3+) appends two pointer parameters to every kernel (global and profile scratch) that its
 own launcher fills in. TensorRT passes only the node's inputs, the extra scalars and the outputs,
@@ -9,13 +12,14 @@ so the PTX is handed over without them; that is refused when the kernel does use
 
 Under TRITON_INTERPRET=1 `triton.jit` makes interpreted functions, which cannot be compiled. Then
 the compilation runs in a fresh interpreter without the variable (`python -m
-dlmrt.plugins.parallel_unmask.aot KERNEL CC` prints the result as JSON), so tests and tools may
+dlmrt.plugins.parallel_unmask.aot KERNEL CC [TYPES_JSON]` prints the result as JSON), so tests and tools may
 mix the interpreter and AOT compilation in one process.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import os
 import re
@@ -42,14 +46,18 @@ SIGNATURES = {
         "confidence")},
     "commit_kernel": {name: _PARALLEL_UNMASK[name] for name in (
         "ids", "count", "threshold", "factor", "W", "mask_id", "new_ids", "confidence", "commit", "committed")},
-    "residual_kernel": {"logits": "*fp32", "embedding": "*fp32", "z": "*fp32", "certainty": "*fp32", "N": "i32",
-                        "V": "i32", "H": "i32"},
+    "residual_kernel": {"logits": "*fp32", "embedding": "*fp32", "N": "i32", "V": "i32", "H": "i32", "z": "*fp32",
+                        "certainty": "*fp32"},
 }
+# The module holding each kernel and its CONFIGS.
+MODULES = {**dict.fromkeys(("parallel_unmask_kernel", "position_kernel", "commit_kernel"),
+                           "dlmrt.plugins.parallel_unmask.triton_kernels"),
+           "residual_kernel": "dlmrt.plugins.residual_context.triton_kernels"}
 
 
 @dataclass(frozen=True)
 class CompiledKernel:
-    kernel: str  # the function in triton_kernels
+    kernel: str  # the function in its MODULES module
     cc: int  # compute capability, e.g. 90 for sm_90
     name: str  # the PTX entry
     ptx: str
@@ -58,17 +66,22 @@ class CompiledKernel:
     constexprs: dict[str, int]
 
 
-def compile_kernel(kernel: str = "parallel_unmask_kernel", cc: int = 90) -> CompiledKernel:
+def compile_kernel(kernel: str = "parallel_unmask_kernel", cc: int = 90,
+                   types: dict[str, str] | None = None) -> CompiledKernel:
     if kernel not in SIGNATURES:
         raise KernelInputError(f"unknown kernel {kernel!r} (known: {', '.join(SIGNATURES)})")
+    unknown = set(types or {}) - set(SIGNATURES[kernel])
+    if unknown:
+        raise KernelInputError(f"{kernel} has no arguments {sorted(unknown)} (it has {', '.join(SIGNATURES[kernel])})")
     if triton_kernels.interpreted():
-        return _compile_in_subprocess(kernel, cc)
+        return _compile_in_subprocess(kernel, cc, types)
     import triton
     from triton.backends.compiler import GPUTarget
 
-    config = triton_kernels.CONFIGS[kernel]
-    signature = dict(SIGNATURES[kernel], **{name: "constexpr" for name in config.constexprs})
-    source = triton.compiler.ASTSource(getattr(triton_kernels, kernel), signature, constexprs=config.constexprs)
+    module = importlib.import_module(MODULES[kernel])
+    config = module.CONFIGS[kernel]
+    signature = dict(SIGNATURES[kernel], **(types or {}), **{name: "constexpr" for name in config.constexprs})
+    source = triton.compiler.ASTSource(getattr(module, kernel), signature, constexprs=config.constexprs)
     # No FMA contraction: the interpreter, where the kernels are tested, has none either.
     compiled = triton.compile(source, target=GPUTarget("cuda", cc, 32),
                               options={"num_warps": config.num_warps, "enable_fp_fusion": False})
@@ -95,18 +108,18 @@ def _drop_params(ptx: str, entry: str, keep: int) -> str:
     return ptx[:match.start(1)] + f"\n\t{kept}\n" + ptx[match.end(1):]
 
 
-def _compile_in_subprocess(kernel: str, cc: int) -> CompiledKernel:
+def _compile_in_subprocess(kernel: str, cc: int, types: dict[str, str] | None) -> CompiledKernel:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-m", __name__, kernel, str(cc)], env=env, capture_output=True,
-                          text=True)
+    done = subprocess.run([sys.executable, "-m", __name__, kernel, str(cc), json.dumps(types or {})], env=env,
+                          capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"compiling {kernel} for sm_{cc} in a subprocess failed:\n{done.stderr}")
     return CompiledKernel(**json.loads(done.stdout))
 
 
 def main(argv: list[str]) -> None:
-    kernel, cc = argv
-    print(json.dumps(dataclasses.asdict(compile_kernel(kernel, int(cc)))))
+    kernel, cc, *types = argv
+    print(json.dumps(dataclasses.asdict(compile_kernel(kernel, int(cc), json.loads(types[0]) if types else None))))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
-"""`dlmrt::ParallelUnmask` and the ORL residual as Triton kernels.
+"""`dlmrt::ParallelUnmask` as Triton kernels, and the helpers `dlmrt::ResidualContext`'s kernel shares
+(the online softmax, input checks).
 
-Kernels (the semantics are `reference.py` and `export/models/residual.py`; the tests hold them to it):
+Kernels (the semantics are `reference.py`; the tests hold them to it):
 
 - `position_kernel`, one program per position: a pass over the vocabulary in tiles of BLOCK_V keeps
   an online softmax (running max, sum of exponentials, and the sum that gives the entropy), the
@@ -13,12 +14,11 @@ Kernels (the semantics are `reference.py` and `export/models/residual.py`; the t
 - `parallel_unmask_kernel`: both in one launch, one program per row. TensorRT's AOT plugin
   launches a single kernel, so the engine runs this one; its arguments are ordered as the plugin
   passes them (the node's inputs, the extra scalars, the outputs).
-- `residual_kernel`: z = softmax(logits) @ E and certainty = clamp(1 - H(p) / log V, 0, 1).
 
 The random numbers are the reference's counter-based hash in uint32 arithmetic, bit for bit.
 Tile sizes are compile-time constants and every loop runs over the actual W and V, so one compiled
-kernel serves any shape. `parallel_unmask` and `residual_context` launch the kernels on CUDA
-tensors, or on CPU tensors when this module was imported under TRITON_INTERPRET=1.
+kernel serves any shape. `parallel_unmask` launches the kernels on CUDA tensors, or on CPU tensors
+when this module was imported under TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations
@@ -58,7 +58,6 @@ CONFIGS = {
     "position_kernel": LaunchConfig({"BLOCK_V": 1024}, num_warps=4),
     "commit_kernel": LaunchConfig({"BLOCK_W": 64}, num_warps=4),
     "parallel_unmask_kernel": LaunchConfig({"BLOCK_V": 2048, "BLOCK_W": 64}, num_warps=8),
-    "residual_kernel": LaunchConfig({"BLOCK_N": 16, "BLOCK_V": 64, "BLOCK_H": 64}, num_warps=4),
 }
 
 
@@ -261,40 +260,6 @@ def parallel_unmask_kernel(logits, ids, positions, count, threshold, factor, tem
     _commit_row(ids, count, threshold, factor, new_ids, confidence, commit, committed, b, W, mask_id, BLOCK_W)
 
 
-@triton.jit
-def residual_kernel(logits, embedding, z, certainty, N, V, H, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
-                    BLOCK_H: tl.constexpr):
-    """z and certainty of BLOCK_N rows of logits [N, V], for BLOCK_H columns of E [V, H]."""
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    row_ok = rows < N
-    base = logits + rows.to(tl.int64)[:, None] * V
-    m = tl.full([BLOCK_N], float("-inf"), tl.float32)
-    s = tl.zeros([BLOCK_N], tl.float32)
-    t = tl.zeros([BLOCK_N], tl.float32)
-    for start in range(0, V, BLOCK_V):
-        offs = start + tl.arange(0, BLOCK_V)
-        x = tl.load(base + offs[None, :], mask=row_ok[:, None] & (offs < V)[None, :], other=float("-inf"))
-        m, s, t = _softmax_update(m, s, t, x.to(tl.float32), 1)
-    m = tl.where(s > 0, m, 0.0)
-    s = tl.where(s > 0, s, 1.0)
-
-    acc = tl.zeros([BLOCK_N, BLOCK_H], tl.float32)
-    for start in range(0, V, BLOCK_V):
-        offs = start + tl.arange(0, BLOCK_V)
-        x = tl.load(base + offs[None, :], mask=row_ok[:, None] & (offs < V)[None, :], other=float("-inf"))
-        p = tl.exp(x.to(tl.float32) - m[:, None]) / s[:, None]
-        e = tl.load(embedding + offs.to(tl.int64)[:, None] * H + cols[None, :],
-                    mask=(offs < V)[:, None] & (cols < H)[None, :], other=0.0)
-        acc += tl.dot(p, e.to(tl.float32), input_precision="ieee")
-    tl.store(z + rows.to(tl.int64)[:, None] * H + cols[None, :], acc.to(z.dtype.element_ty),
-             mask=row_ok[:, None] & (cols < H)[None, :])
-    if tl.program_id(1) == 0:
-        entropy = tl.log(s) - t / s
-        value = tl.minimum(tl.maximum(1.0 - entropy / tl.log(V.to(tl.float64)).to(tl.float32), 0.0), 1.0)
-        tl.store(certainty + rows, value.to(certainty.dtype.element_ty), mask=row_ok)
-
-
 # -- launchers -----------------------------------------------------------------------------------
 
 def interpreted() -> bool:
@@ -375,33 +340,5 @@ def parallel_unmask(logits: Tensor, ids: Tensor, positions: Tensor, params: Unma
     return UnmaskResult(new_ids, confidence, commit, committed)
 
 
-def residual_context(logits: Tensor, embedding: Tensor) -> tuple[Tensor, Tensor]:
-    """(z [B, T, H], certainty [B, T]) in the embedding's dtype, as residual.next_residual with topk=0:
-    logits [B, T, V] and E [V, H], floating point."""
-    _check(isinstance(logits, Tensor) and logits.dim() == 3, "logits must be a [B, T, V] tensor")
-    _check(isinstance(embedding, Tensor) and embedding.dim() == 2, "embedding must be a [V, H] tensor")
-    _check(logits.is_floating_point() and embedding.is_floating_point(),
-           f"logits and embedding must be floating point, got {logits.dtype} and {embedding.dtype}")
-    batch, length, vocab = logits.shape
-    _check(embedding.shape[0] == vocab, f"embedding has {embedding.shape[0]} rows, the logits {vocab} tokens")
-    _check(embedding.device == logits.device, f"embedding is on {embedding.device}, the logits on {logits.device}")
-    hidden = embedding.shape[1]
-    rows = batch * length
-    _check(vocab >= 2 and max(rows, vocab, hidden) < _INT32_LIMIT,
-           f"logits {list(logits.shape)} and embedding {list(embedding.shape)}: need V >= 2, and B * T, V and H "
-           "below 2**31")
-    _check_device(logits.device)
-    logits, embedding = logits.contiguous(), embedding.contiguous()
-    z = torch.empty(batch, length, hidden, dtype=embedding.dtype, device=logits.device)
-    certainty = torch.empty(batch, length, dtype=embedding.dtype, device=logits.device)
-    if rows and hidden:
-        config = CONFIGS["residual_kernel"]
-        blocks = config.constexprs
-        grid = (triton.cdiv(rows, blocks["BLOCK_N"]), triton.cdiv(hidden, blocks["BLOCK_H"]))
-        residual_kernel[grid](logits, embedding, z, certainty, rows, vocab, hidden, **blocks,
-                              num_warps=config.num_warps, enable_fp_fusion=False)
-    return z, certainty
-
-
 __all__ = ["CONFIGS", "LaunchConfig", "commit_kernel", "interpreted", "parallel_unmask", "parallel_unmask_kernel",
-           "position_kernel", "residual_context", "residual_kernel"]
+           "position_kernel"]
