@@ -86,14 +86,14 @@ def test_a_rebuild_replaces_the_entry_whole_and_reuses_the_timing_cache(tiny_exp
     assert (entry / "full" / "engine.plan").read_bytes().startswith(b"v2:")
     assert not first_version.exists()  # the old version is gone once the new one is in place
     assert [p.name for p in (entry.parent / ".versions").iterdir()] == [entry.resolve().name]
-    third = StandInBuilder(b"v3")
-    run_build(tiny_export, store, third, timing_cache=False)
-    assert third.caches == [None, b"[full]"]  # no stored cache read; only this build's own
-    assert not (entry / "timing.cache").exists() and manifest.read(entry)["timing_cache_sha256"] is None
-    upgraded = StandInBuilder(b"v4")
+    upgraded = StandInBuilder(b"v3")
     build.run(make(tiny_export, store), store, device="NVIDIA H200", tensorrt_version="10.14.1",
               engine_builder=upgraded)
-    assert upgraded.caches[0] is None  # a cache from another TensorRT version is not handed over
+    assert upgraded.caches[0] is None  # the stored cache came from another TensorRT version
+    uncached = StandInBuilder(b"v4")
+    run_build(tiny_export, store, uncached, timing_cache=False)
+    assert uncached.caches == [None, b"[full]"]  # no stored cache read; only this build's own
+    assert not (entry / "timing.cache").exists() and manifest.read(entry)["timing_cache_sha256"] is None
 
 
 def test_a_failing_build_leaves_the_previous_entry(tiny_export, tmp_path):

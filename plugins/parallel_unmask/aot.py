@@ -12,8 +12,8 @@ so the PTX is handed over without them; that is refused when the kernel does use
 
 Under TRITON_INTERPRET=1 `triton.jit` makes interpreted functions, which cannot be compiled. Then
 the compilation runs in a fresh interpreter without the variable (`python -m
-dlmrt.plugins.parallel_unmask.aot KERNEL CC [TYPES_JSON]` prints the result as JSON), so tests and tools may
-mix the interpreter and AOT compilation in one process.
+dlmrt.plugins.parallel_unmask.aot KERNEL CC [TYPES_JSON]` prints the result as JSON), so tests and
+tools may mix the interpreter and AOT compilation in one process.
 """
 
 from __future__ import annotations

@@ -33,14 +33,19 @@ def register() -> None:
     global _registered
     if _registered:
         return
+    _define(*tensorrt_modules(plugin_id()))
+    _registered = True
+
+
+def tensorrt_modules(plugin: str):
+    """(tensorrt, tensorrt.plugin), or the MissingExtraError naming the extra that the plugin needs."""
     try:
         import tensorrt as trt
         import tensorrt.plugin as trtp
     except ImportError as error:
-        raise MissingExtraError("the TensorRT plugin of dlmrt::ParallelUnmask needs TensorRT 10.8 or newer: "
+        raise MissingExtraError(f"the TensorRT plugin of {plugin} needs TensorRT 10.8 or newer: "
                                 "pip install 'dlmrt[tensorrt]'") from error
-    _define(trt, trtp)
-    _registered = True
+    return trt, trtp
 
 
 def _build_target() -> int:
