@@ -1,9 +1,18 @@
-"""Test helpers: small configs of each family and random models with visible logits."""
+"""Test helpers: small configs of each family and random models with visible logits; running Triton
+kernel cases in the interpreter; fresh copies of modules."""
 
 from __future__ import annotations
 
 import copy
+import importlib
+import importlib.util
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
 
+import pytest
 import torch
 
 from dlmrt import tasks
@@ -54,3 +63,59 @@ def random_model(raw: dict, seed: int = 0, scale: float = 0.15):
                 tensor.copy_(scale * noise)
     model.tokenizer = tasks.build_tokenizer()
     return model
+
+
+def fresh_module(name: str):
+    """A new copy of a module (not entered in sys.modules), imported in the current environment."""
+    spec = importlib.util.find_spec(name)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# Triton's interpreter: `TRITON_INTERPRET=1` has to be set before Triton itself is imported (Triton's
+# own standard library is decorated at import, and its lazy imports check the variable at launch), so
+# one process cannot switch modes safely. A test file therefore runs its kernel cases once, in a fresh
+# process started with the variable: the file itself run as a script, whose `__main__` calls
+# `interpret_cases`, and compares what comes back with the reference in the test process.
+
+def run_in_interpreter(script: str, cases: dict, folder: Path) -> dict:
+    """The outputs of every case, from `script` run under TRITON_INTERPRET=1."""
+    torch.save(cases, folder / "cases.pt")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, script, str(folder / "cases.pt"), str(folder / "results.pt")], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return torch.load(folder / "results.pt", weights_only=False)
+
+
+def interpret_cases(kernels: str, run_case: Callable, cases_path: str, results_path: str) -> None:
+    """The worker behind `run_in_interpreter`: run every case with the kernels module `kernels`."""
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    module = importlib.import_module(kernels)
+    from dlmrt.plugins.parallel_unmask import triton_kernels
+    assert triton_kernels.interpreted()
+    cases = torch.load(cases_path, weights_only=False)
+    torch.save({name: run_case(module, case) for name, case in cases.items()}, results_path)
+
+
+def cuda_kernels(name: str):
+    """The kernels module `name`, compiled for the GPU; skips the test where there is none."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("the test process interprets Triton")
+    return importlib.import_module(name)
+
+
+def check_plugin_registration(op: str) -> None:
+    """Register the TensorRT plugin of the op package `op` (twice: once counts) and find it in TensorRT's
+    registry under its ONNX node's namespace and version; skips where TensorRT is missing."""
+    trt = pytest.importorskip("tensorrt", reason="TensorRT is not installed")
+    trt_plugin = importlib.import_module(f"dlmrt.plugins.{op}.trt_plugin")
+    onnx_function = importlib.import_module(f"dlmrt.plugins.{op}.onnx_function")
+    trt_plugin.register()
+    trt_plugin.register()
+    creator = trt.get_plugin_registry().get_creator(onnx_function.OP_TYPE, onnx_function.PLUGIN_VERSION,
+                                                    onnx_function.DOMAIN)
+    assert creator is not None, f"dlmrt::{onnx_function.OP_TYPE} is not in TensorRT's plugin registry"

@@ -1,29 +1,25 @@
-"""The Triton kernels of `dlmrt::ParallelUnmask` and the ORL residual against the torch reference,
-their AOT compilation for sm_90/100/120, and the TensorRT plugin registration.
+"""The Triton kernels of `dlmrt::ParallelUnmask` against the torch reference, their AOT compilation for
+sm_90/100/120, and the TensorRT plugin registration.
 
-The interpreter: `TRITON_INTERPRET=1` has to be set before Triton itself is imported (Triton's own
-standard library is decorated at import, and its lazy imports check the variable at launch), so
-one process cannot switch modes safely. The module-scoped fixture `interpreted` therefore runs
-every kernel case once, in a fresh process started with the variable (this file, run as a
-script), and the tests compare what it returns with the reference here. Everything else (AOT,
-errors, GPU) runs in the test process with the compiled kernels.
+The module-scoped fixture `interpreted` runs every kernel case once in Triton's interpreter, in a
+fresh process (this file run as a script, see helpers.run_in_interpreter), and the tests compare
+what it returns with the reference here. Everything else (AOT, errors, GPU) runs in the test
+process with the compiled kernels.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 import re
-import subprocess
 import sys
 
 import pytest
 import torch
 
 from dlmrt.errors import KernelInputError, MissingExtraError
-from dlmrt.export.models.residual import next_residual
 from dlmrt.plugins.parallel_unmask import MEASURE_CODES, UnmaskParams, parallel_unmask
+from helpers import check_plugin_registration, cuda_kernels, fresh_module, interpret_cases, run_in_interpreter
 from test_parallel_unmask import exact_row, logits_of, make_params, probs_row
 
 pytest.importorskip("triton", reason="the Triton kernels need the dlmrt[triton] extra")
@@ -123,27 +119,11 @@ def random_cases() -> dict[str, dict]:
     return cases
 
 
-def residual_cases() -> dict[str, dict]:
-    g = torch.Generator().manual_seed(7)
-    small = torch.randn(2, 3, 37, generator=g) * 3
-    small[0, 0, 5:] = -INF  # a row with impossible tokens
-    small[1, 2] = -INF
-    small[1, 2, 4] = 0.0  # one-hot: certainty 1
-    return {
-        "small": dict(kind="residual", logits=small, embedding=torch.randn(37, 20, generator=g)),
-        "tiles": dict(kind="residual", logits=torch.randn(1, 17, 100, generator=g) * 2,
-                      embedding=torch.randn(100, 70, generator=g)),
-    }
-
-
 UNMASK_CASES = {**random_cases(), **crafted_cases()}
-RESIDUAL_CASES = residual_cases()
 
 
 def run_case(kernels, case: dict) -> dict:
     """The kernels' outputs for a case: the two-kernel form and the fused (TensorRT) one."""
-    if case["kind"] == "residual":
-        return {"residual": kernels.residual_context(case["logits"], case["embedding"])}
     args = (case["logits"], case["ids"], case["positions"], UnmaskParams(*case["params"]), case["mask_id"],
             case["codes"])
     return {f"fused={fused}": kernels.parallel_unmask(*args, fused=fused, block_v=case["block_v"],
@@ -154,13 +134,7 @@ def run_case(kernels, case: dict) -> dict:
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory) -> dict:
     """Every case's kernel outputs from a TRITON_INTERPRET=1 process (see the module docstring)."""
-    folder = tmp_path_factory.mktemp("interpreter")
-    torch.save({**UNMASK_CASES, **RESIDUAL_CASES}, folder / "cases.pt")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    done = subprocess.run([sys.executable, __file__, str(folder / "cases.pt"), str(folder / "results.pt")],
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return torch.load(folder / "results.pt", weights_only=False)
+    return run_in_interpreter(__file__, UNMASK_CASES, tmp_path_factory.mktemp("interpreter"))
 
 
 def reference(case: dict):
@@ -215,26 +189,7 @@ def test_random_numbers_are_bit_exact(interpreted):
     assert torch.equal(result.ids[2], expected.ids[2])  # 64 Gumbel-max samples at temperature 2
 
 
-# -- (b) the residual --------------------------------------------------------------------------
-
-@pytest.mark.parametrize("name", list(RESIDUAL_CASES))
-def test_residual_matches_next_residual(interpreted, name):
-    case = RESIDUAL_CASES[name]
-    z, certainty = interpreted[name]["residual"]
-    expected = next_residual(case["logits"], case["embedding"], topk=0)
-    torch.testing.assert_close(z, expected.z, atol=2e-5, rtol=1e-5)
-    torch.testing.assert_close(certainty, expected.certainty, atol=1e-6, rtol=0)
-
-
 # -- bad input and a missing extra ---------------------------------------------------------------
-
-def fresh_module(name: str):
-    """A new copy of a module (not entered in sys.modules), imported in the current environment."""
-    spec = importlib.util.find_spec(name)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 @pytest.fixture(scope="module")
 def kernels():
@@ -263,13 +218,11 @@ def test_bad_input_is_refused_before_any_launch(kernels, change, message):
         kernels.parallel_unmask(**inputs)
 
 
-def test_bad_params_and_residual_input_are_refused(kernels):
+def test_bad_params_are_refused(kernels):
     inputs = good_inputs()
     inputs["params"] = inputs["params"]._replace(threshold=torch.zeros(2, dtype=torch.float64))
     with pytest.raises(KernelInputError, match="threshold must be torch.float32"):
         kernels.parallel_unmask(**inputs)
-    with pytest.raises(KernelInputError, match="embedding has 4 rows"):
-        kernels.residual_context(torch.zeros(1, 2, 5), torch.zeros(4, 3))
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="the test process itself interprets")
@@ -326,28 +279,13 @@ def test_plugin_registration_without_tensorrt_says_which_extra(monkeypatch):
 
 @pytest.mark.trt
 def test_plugin_is_registered_under_the_onnx_namespace_and_version():
-    trt = pytest.importorskip("tensorrt", reason="TensorRT is not installed")
-    from dlmrt.plugins.parallel_unmask import onnx_function, trt_plugin
-    trt_plugin.register()
-    trt_plugin.register()  # idempotent
-    creator = trt.get_plugin_registry().get_creator(onnx_function.OP_TYPE, onnx_function.PLUGIN_VERSION,
-                                                    onnx_function.DOMAIN)
-    assert creator is not None, "dlmrt::ParallelUnmask is not in TensorRT's plugin registry"
-
-
-def cuda_kernels():
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA GPU")
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("the test process interprets Triton")
-    from dlmrt.plugins.parallel_unmask import triton_kernels
-    return triton_kernels
+    check_plugin_registration("parallel_unmask")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["mixed_measures", "wide_row_chunks", "ties", "hash_extremes"])
 def test_compiled_kernels_on_cuda_match_the_reference(name):
-    kernels = cuda_kernels()
+    kernels = cuda_kernels(KERNELS)
     case = UNMASK_CASES[name]
     on_gpu = {key: (tuple(t.cuda() for t in value) if key == "params" else
                     value.cuda() if isinstance(value, torch.Tensor) else value) for key, value in case.items()}
@@ -356,24 +294,5 @@ def test_compiled_kernels_on_cuda_match_the_reference(name):
         assert_matches_reference(type(expected)(*(t.cpu() for t in result)), expected)
 
 
-@pytest.mark.gpu
-def test_compiled_residual_on_cuda_matches_next_residual():
-    kernels = cuda_kernels()
-    case = RESIDUAL_CASES["tiles"]
-    z, certainty = kernels.residual_context(case["logits"].cuda(), case["embedding"].cuda())
-    expected = next_residual(case["logits"], case["embedding"], topk=0)
-    torch.testing.assert_close(z.cpu(), expected.z, atol=2e-5, rtol=1e-5)
-    torch.testing.assert_close(certainty.cpu(), expected.certainty, atol=1e-6, rtol=0)
-
-
-def interpret_cases(cases_path: str, results_path: str) -> None:
-    """The worker behind `interpreted`: run every case in this (TRITON_INTERPRET=1) process."""
-    assert os.environ.get("TRITON_INTERPRET") == "1"
-    from dlmrt.plugins.parallel_unmask import triton_kernels
-    assert triton_kernels.interpreted()
-    cases = torch.load(cases_path, weights_only=False)
-    torch.save({name: run_case(triton_kernels, case) for name, case in cases.items()}, results_path)
-
-
 if __name__ == "__main__":
-    interpret_cases(*sys.argv[1:])
+    interpret_cases(KERNELS, run_case, *sys.argv[1:])

@@ -130,11 +130,15 @@ def schema() -> onnx.defs.OpSchema:
         outputs=[FormalParameter(name, types.get(name, "tensor(int64)")) for name in OUTPUTS],
         attributes=[
             onnx.defs.OpSchema.Attribute("mask_id", onnx.defs.OpSchema.AttrType.INT, "the mask token id"),
-            onnx.defs.OpSchema.Attribute("plugin_namespace", onnx.defs.OpSchema.AttrType.STRING,
-                                         "TensorRT plugin namespace", required=False),
-            onnx.defs.OpSchema.Attribute("plugin_version", onnx.defs.OpSchema.AttrType.STRING,
-                                         "TensorRT plugin version", required=False),
+            *plugin_attributes(),
         ])
+
+
+def plugin_attributes() -> list[onnx.defs.OpSchema.Attribute]:
+    """The attributes by which TensorRT's ONNX parser finds a dlmrt node's plugin, in every op's schema."""
+    return [onnx.defs.OpSchema.Attribute(name, onnx.defs.OpSchema.AttrType.STRING, f"TensorRT plugin {what}",
+                                         required=False)
+            for name, what in (("plugin_namespace", "namespace"), ("plugin_version", "version"))]
 
 
 def register_schema() -> None:

@@ -20,21 +20,26 @@ from typing import Tuple
 
 from dlmrt.errors import MissingExtraError
 
-_registered = False
-
-
-def plugin_id() -> str:
-    from dlmrt.plugins.parallel_unmask import onnx_function
-    return f"{onnx_function.DOMAIN}::{onnx_function.OP_TYPE}"
+_registered: set[str] = set()  # the plugin ids registered in this process
 
 
 def register() -> None:
     """Register the plugin with TensorRT's plugin registry (once per process)."""
-    global _registered
-    if _registered:
+    from dlmrt.plugins.parallel_unmask import onnx_function
+    register_plugin(onnx_function, _define)
+
+
+def register_plugin(onnx_function, define) -> None:
+    """Register the plugin of the dlmrt op that `onnx_function` (its module) describes, once per process:
+    `define(trt, trtp, plugin_id)` declares it to `tensorrt.plugin`."""
+    plugin = f"{onnx_function.DOMAIN}::{onnx_function.OP_TYPE}"
+    if plugin in _registered:
         return
-    _define(*tensorrt_modules(plugin_id()))
-    _registered = True
+    if onnx_function.PLUGIN_VERSION != "1":
+        raise RuntimeError(f"tensorrt.plugin registers version 1, the ONNX node of {plugin} asks for "
+                           f"{onnx_function.PLUGIN_VERSION}")
+    define(*tensorrt_modules(plugin), plugin)
+    _registered.add(plugin)
 
 
 def tensorrt_modules(plugin: str):
@@ -54,13 +59,9 @@ def _build_target() -> int:
     return driver.active.get_current_target().arch
 
 
-def _define(trt, trtp) -> None:
-    from dlmrt.plugins.parallel_unmask import aot, onnx_function
+def _define(trt, trtp, name: str) -> None:
+    from dlmrt.plugins.parallel_unmask import aot
 
-    if onnx_function.PLUGIN_VERSION != "1":
-        raise RuntimeError(f"tensorrt.plugin registers version 1, the ONNX node asks for "
-                           f"{onnx_function.PLUGIN_VERSION}")
-    name = plugin_id()
     Desc = trtp.TensorDesc
 
     @trtp.register(name)

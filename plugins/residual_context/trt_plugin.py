@@ -1,0 +1,67 @@
+"""`dlmrt::ResidualContext` as a TensorRT plugin (`tensorrt.plugin`, TensorRT 10.8+).
+
+`register()` registers the shape/type descriptor and an AOT implementation: at build time it hands
+TensorRT the PTX of `triton_kernels.residual_kernel` compiled for the build GPU and the node's
+float types (see `dlmrt.plugins.parallel_unmask.aot`), so a serialized engine runs the kernel
+without Python. The TensorRT ONNX parser maps a `dlmrt::ResidualContext` node to this plugin by its
+`plugin_namespace` attribute.
+
+Types: logits and embedding may each be float32, float16 or bfloat16 (an export in bf16 holds bf16
+logits and E); z and certainty take the embedding's type, as in the ONNX node. The launch is the
+launcher's 2-D grid, (cdiv(B * T, BLOCK_N), cdiv(H, BLOCK_H)), with N = B * T, V and H passed as
+int32 scalars (`SymInt32`) between the input and output pointers.
+
+Not verified here (no TensorRT on the development machines): that the parser passes no fields on
+for a node without attributes beyond the plugin's, and which type combinations this TensorRT
+version offers the plugin in a network that is not strongly typed. The tests marked `trt` check
+the registration; building an engine from an exported ORL step graph is the check for both.
+"""
+
+from typing import Tuple
+
+from dlmrt.errors import KernelInputError
+from dlmrt.plugins.parallel_unmask.trt_plugin import _build_target, register_plugin
+
+
+def register() -> None:
+    """Register the plugin with TensorRT's plugin registry (once per process)."""
+    from dlmrt.plugins.residual_context import onnx_function
+    register_plugin(onnx_function, _define)
+
+
+def _pointer_types(trt, **tensors) -> dict[str, str]:
+    """Triton's pointer type for each named TensorDesc, refusing types the kernel has no build for."""
+    names = {trt.float32: "*fp32", trt.float16: "*fp16", trt.bfloat16: "*bf16"}
+    for name, desc in tensors.items():
+        if desc.dtype not in names:
+            raise KernelInputError(f"dlmrt::ResidualContext: {name} is {desc.dtype}; the kernel takes float32, "
+                                   "float16 or bfloat16")
+    return {name: names[desc.dtype] for name, desc in tensors.items()}
+
+
+def _define(trt, trtp, name: str) -> None:
+    from dlmrt.plugins.parallel_unmask import aot
+
+    Desc = trtp.TensorDesc
+
+    @trtp.register(name)
+    def describe(logits: Desc, embedding: Desc) -> Tuple[Desc, Desc]:
+        batch, length = logits.shape_expr[0], logits.shape_expr[1]
+        return (trtp.from_shape_expr((batch, length, embedding.shape_expr[1]), dtype=embedding.dtype),
+                trtp.from_shape_expr((batch, length), dtype=embedding.dtype))
+
+    @trtp.aot_impl(name)
+    def compiled(logits: Desc, embedding: Desc, outputs: Tuple[Desc], tactic: int):
+        z, certainty = outputs
+        types = _pointer_types(trt, logits=logits, embedding=embedding, z=z, certainty=certainty)
+        kernel = aot.compile_kernel("residual_kernel", _build_target(), types)
+        rows = logits.shape_expr[0] * logits.shape_expr[1]
+        hidden = embedding.shape_expr[1]
+        launch = trtp.KernelLaunchParams()
+        launch.grid_x = trtp.cdiv(rows, kernel.constexprs["BLOCK_N"])
+        launch.grid_y = trtp.cdiv(hidden, kernel.constexprs["BLOCK_H"])
+        launch.block_x = kernel.threads
+        launch.shared_mem = kernel.shared_mem
+        # the kernel's scalars, between the input and output pointers: N = B * T, V, H
+        scalars = trtp.SymIntExprs.from_tuple([trtp.SymInt32(e) for e in (rows, logits.shape_expr[2], hidden)])
+        return kernel.name.encode(), kernel.ptx.encode(), launch, scalars
