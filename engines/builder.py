@@ -41,9 +41,11 @@ def build_graph(plan: BuildPlan, graph: GraphPlan, onnx_path: Path,
                 timing_cache: bytes | None) -> tuple[bytes, bytes]:
     """Build `graph` (read from `onnx_path`) as the plan says; returns (engine, updated timing cache)."""
     trt = require_tensorrt()
-    from dlmrt.plugins.parallel_unmask import trt_plugin
+    from dlmrt.plugins.parallel_unmask import trt_plugin as parallel_unmask
+    from dlmrt.plugins.residual_context import trt_plugin as residual_context
 
-    trt_plugin.register()  # before parsing: the parser maps dlmrt::ParallelUnmask nodes to it
+    parallel_unmask.register()  # before parsing: the parser maps the graphs' dlmrt nodes to them
+    residual_context.register()
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
     strongly_typed = plan.typing == "strongly-typed"

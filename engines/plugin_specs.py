@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import onnx
 
 from dlmrt.plugins.parallel_unmask import onnx_function as parallel_unmask
+from dlmrt.plugins.residual_context import onnx_function as residual_context
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ def _spec(module, fields: dict[str, int]) -> PluginSpec:
 
 KNOWN: dict[tuple[str, str], PluginSpec] = {spec.key: spec for spec in (
     _spec(parallel_unmask, {"mask_id": onnx.AttributeProto.INT}),
+    _spec(residual_context, {}),
 )}
 
 

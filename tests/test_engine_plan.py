@@ -217,3 +217,21 @@ def test_fp4_blocks_must_be_16(tmp_path, tiny_export):
     next(a for a in model.graph.node[0].attribute if a.name == "block_size").i = 16
     problems = [str(p) for p in preflight.check(qdq_plan(tmp_path, tiny_export, "nvfp4"), {"full": model})]
     assert not any("block_size" in problem for problem in problems), problems
+
+
+def test_an_orl_export_needs_both_plugins_and_passes_preflight(tmp_path):
+    from dlmrt.export import onnx_export
+    from helpers import LLADA, ORL, config, random_model
+
+    export_dir = onnx_export.export(random_model(config(LLADA, residual_context=ORL), seed=3), tmp_path / "orl",
+                                    max_batch=4, max_length=32)
+    plan = plan_for(export_dir, tmp_path, graphs=("full",))
+    assert plan.plugins == [{"name": "ParallelUnmask", "namespace": "dlmrt", "version": "1"},
+                            {"name": "ResidualContext", "namespace": "dlmrt", "version": "1"}]
+    graphs = load_graphs(plan, export_dir)
+    assert preflight.check(plan, graphs) == []
+    node = next(node for node in graphs["full"].graph.node if node.op_type == "ResidualContext")
+    node.attribute.remove(next(a for a in node.attribute if a.name == "plugin_version"))
+    assert [str(p) for p in preflight.check(plan, graphs)] == [
+        f"full: node {node.name!r} (dlmrt::ResidualContext): plugin_version is None, the registered plugin "
+        f"is version '1': re-export with this dlmrt"]
