@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import click
 
 from dlmrt import TINY_MODEL_DIR, __version__
-from dlmrt.cli_errors import UserError, reports_errors
+from dlmrt.cli_errors import UserError, reports_errors, require_onnx_extra
 from dlmrt.engine_commands import build_command, inspect_command
 
 if TYPE_CHECKING:
@@ -216,16 +216,6 @@ def generate(model_dir, prompts, prompt_ids, ignore_eos, backend, stream, show_m
             click.echo(output["text"] if output["text"] is not None else ",".join(map(str, output["token_ids"])))
     if show_metrics:
         console.print(metrics.table())
-
-
-def require_onnx_extra() -> None:
-    """One clear line, instead of an ImportError, when the ONNX path is not installed."""
-    import importlib.util
-
-    missing = [name for name in ("onnx", "onnxscript", "onnxruntime") if importlib.util.find_spec(name) is None]
-    if missing:
-        raise UserError(f"the ONNX path needs {', '.join(missing)}: pip install 'dlmrt[onnx]' "
-                        f"(or 'dlmrt[onnx-gpu]' on a GPU machine)")
 
 
 def ensure_exported(model_dir: Path, dtype: str, console) -> Path:

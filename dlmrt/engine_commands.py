@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from dlmrt.cli_errors import reports_errors
+from dlmrt.cli_errors import reports_errors, require_onnx_extra
 from dlmrt.errors import ArgumentError
 
 DIMENSION_HELP = "{dim} range MIN:OPT:MAX (or one size) for the optimization profile [default: {default}]."
@@ -68,6 +68,7 @@ def build_command(export_dir, target, precision, graphs, batch, window, block, p
                   optimization_level, no_timing_cache, calibration_file, calibration_samples, output,
                   tensorrt_version, dry_run, as_json):
     """Build TensorRT engines of the step graphs in EXPORT_DIR (made by `dlmrt export`) into the store."""
+    require_onnx_extra()
     from rich.console import Console
 
     from dlmrt.engines import build, builder, profiles, targets

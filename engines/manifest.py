@@ -10,12 +10,15 @@ from __future__ import annotations
 import datetime
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dlmrt import __version__
-from dlmrt.engines.plan import BuildPlan
 from dlmrt.engines.store import MANIFEST, TIMING_CACHE, engine_file
 from dlmrt.errors import DlmrtError
 from dlmrt.hashing import sha256_of
+
+if TYPE_CHECKING:
+    from dlmrt.engines.plan import BuildPlan
 
 FORMAT_VERSION = 1
 

@@ -324,3 +324,20 @@ def test_a_build_runs_only_on_the_gpu_it_targets(tiny_export, tmp_path, monkeypa
     monkeypatch.setattr(targets, "running_gpu", lambda: None)
     with pytest.raises(targets.TargetError, match="no CUDA GPU"):
         build.check_running_gpu(plan)
+
+
+def test_build_without_the_onnx_extra_says_which_to_install(tiny_export, monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "onnxscript" else
+                        find_spec(name, *a))
+    result = CliRunner().invoke(main, ["build", str(tiny_export), "--target", "sm_90", "--dry-run"])
+    assert result.exit_code == 2 and "pip install 'dlmrt[onnx]'" in result.output, result.output
+
+
+def test_inspect_needs_no_onnx(tmp_path):
+    code = ("import sys; sys.modules['onnx'] = None; from dlmrt.cli import main; "
+            "main(['inspect', sys.argv[1]])")
+    result = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True)
+    assert result.returncode == 2 and "holds no engine" in result.stderr, result.stderr
