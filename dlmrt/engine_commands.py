@@ -194,14 +194,25 @@ def print_manifest(entry: Path, record: dict, problems: list[str]) -> None:
 @click.command("inspect")
 @click.argument("path", type=click.Path(path_type=Path, exists=True))
 @click.option("--json", "as_json", is_flag=True, help="The manifest and the hash check as JSON.")
+@click.option("--for", "export_dir", type=click.Path(path_type=Path), default=None,
+              help="Pick, from the store PATH, the engine the runtime would run for this export on this GPU "
+                   "and TensorRT (or --target / --tensorrt), or say why none fits.")
+@click.option("--target", type=click.Choice(TARGET_CHOICES), default="auto", show_default=True,
+              help="With --for: the GPU target to select for.")
+@click.option("--precision", type=click.Choice(PRECISION_CHOICES), default=None,
+              help="With --for: the precision [default: the target's first].")
+@click.option("--tensorrt", "tensorrt_version", default=None,
+              help="With --for: the TensorRT version to select for [default: the installed one].")
 @reports_errors
-def inspect_command(path, as_json):
+def inspect_command(path, as_json, export_dir, target, precision, tensorrt_version):
     """Show the manifest of an engine directory (or every engine under a store or model directory) and
     check its sha256 hashes; exits with status 1 when a file is missing or differs."""
     from dlmrt.engines import manifest
     from dlmrt.engines.store import MANIFEST, EngineStore
 
-    if (path / MANIFEST).is_file():
+    if export_dir is not None:
+        entries = [selected_entry(EngineStore(path), export_dir, target, precision, tensorrt_version)]
+    elif (path / MANIFEST).is_file():
         entries = [path]
     else:
         entries = [entry for entry in EngineStore(path).entries() if (entry / MANIFEST).is_file()] or \
@@ -223,3 +234,17 @@ def inspect_command(path, as_json):
         click.echo(json.dumps(reports, indent=2))
     if failed:
         raise click.exceptions.Exit(1)
+
+
+def selected_entry(store, export_dir: Path, target: str, precision: str | None,
+                   tensorrt_version: str | None) -> Path:
+    """The store's engine entry for the export on the target and TensorRT (EngineMismatch if none fits)."""
+    from dlmrt.engines import builder, targets
+    from dlmrt.engines.select import select
+
+    tensorrt_version = tensorrt_version or builder.installed_tensorrt()
+    if tensorrt_version is None:
+        raise ArgumentError("TensorRT is not installed: pass --tensorrt VERSION to select for one")
+    capability = targets.resolve(target).compute_capability
+    return select(store, export_dir, capability=capability, tensorrt_version=tensorrt_version,
+                  precision=precision).entry

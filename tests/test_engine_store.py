@@ -341,3 +341,15 @@ def test_inspect_needs_no_onnx(tmp_path):
             "main(['inspect', sys.argv[1]])")
     result = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True)
     assert result.returncode == 2 and "holds no engine" in result.stderr, result.stderr
+
+
+def test_inspect_for_an_export_picks_the_engine_or_says_why_none_fits(tiny_export, tmp_path):
+    store = EngineStore(tmp_path / "engines")
+    entry = run_build(tiny_export, store, StandInBuilder())
+    select_args = ["inspect", str(store.root), "--for", str(tiny_export), "--tensorrt", TENSORRT]
+    result = CliRunner().invoke(main, [*select_args, "--target", "sm_90", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)[0]["entry"] == str(entry)
+    result = CliRunner().invoke(main, [*select_args, "--target", "sm_90", "--precision", "fp8"])
+    assert result.exit_code == 2 and "no sm_90 fp8 engine of tiny-llada" in result.output
+    assert f"dlmrt build {tiny_export} --target sm_90 --precision fp8" in result.output
