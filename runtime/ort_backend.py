@@ -171,7 +171,7 @@ class OrtBackend(Backend):
         shapes = inputs.shapes()
         self.prepare(shapes)
         buffers = self._buffers[shapes]
-        graph, feeds = self.feeds(inputs)
+        graph, feeds = self.feeds(inputs, shapes)
         session = self.sessions[graph]
         binding = session.io_binding()
         keep = []  # contiguous copies must outlive the run
@@ -188,9 +188,10 @@ class OrtBackend(Backend):
         session.run_with_iobinding(binding)
         return buffers
 
-    def feeds(self, inputs: StepInputs) -> tuple[str, dict[str, torch.Tensor]]:
-        """The graph that runs this step, and its inputs by name (torch tensors, possibly strided)."""
-        shapes = inputs.shapes()
+    def feeds(self, inputs: StepInputs, shapes: StepShapes | None = None) -> tuple[str, dict[str, torch.Tensor]]:
+        """The graph that runs this step, and its inputs by name (torch tensors, possibly strided);
+        `shapes` are the inputs' shapes where the caller has them."""
+        shapes = shapes or inputs.shapes()
         graph = graph_name(cached=inputs.past_kv is not None, guided=shapes.guided)
         window = inputs.ids.shape[1]
         feeds = {
