@@ -128,17 +128,24 @@ def step_status(console):
     return status()
 
 
+def key_value_table(title: str):
+    """A two-column table of names and values, values folded rather than cut off."""
+    from rich.table import Table
+
+    table = Table(title=title, show_header=False)
+    table.add_column("", style="bold", no_wrap=True)
+    table.add_column("", overflow="fold")
+    return table
+
+
 def print_plan(plan, problems, installed: str | None) -> None:
     from rich.console import Console
-    from rich.table import Table
 
     from dlmrt.engines.profiles import trtexec_flags
     from dlmrt.engines.targets import GiB
 
     console = Console()
-    table = Table(title=f"build plan: {plan.model} for {plan.target} {plan.precision}", show_header=False)
-    table.add_column("", style="bold", no_wrap=True)
-    table.add_column("", overflow="fold")
+    table = key_value_table(f"build plan: {plan.model} for {plan.target} {plan.precision}")
     rows = [
         ("export", plan.export_dir),
         ("TensorRT", f"{plan.tensorrt} ({plan.typing}){'' if installed else ', not installed here'}"),
@@ -170,12 +177,9 @@ def print_plan(plan, problems, installed: str | None) -> None:
 
 def print_manifest(entry: Path, record: dict, problems: list[str]) -> None:
     from rich.console import Console
-    from rich.table import Table
 
     console = Console()
-    table = Table(title=str(entry), show_header=False)
-    table.add_column("", style="bold", no_wrap=True)
-    table.add_column("", overflow="fold")
+    table = key_value_table(str(entry))
     for key in ("model", "target", "compute_capability", "device", "precision", "tensorrt_version", "typing",
                 "built_at", "build_s"):
         table.add_row(key, str(record.get(key)))

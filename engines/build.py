@@ -102,7 +102,9 @@ def run(plan: BuildPlan, store: EngineStore, *, device: str, tensorrt_version: s
             atomic.write_bytes(staging / engine_file(graph.name), engine)
         if cache and plan.options.timing_cache:
             atomic.write_bytes(staging / TIMING_CACHE, cache)
-        built_from = {name: sha256_of(path) for name, path in paths.items()}
+        # the export's own graphs were hashed by check_export; only quantized ones are new
+        built_from = {graph.name: sha256_of(paths[graph.name]) if quantize else graph.sha256
+                      for graph in plan.graphs}
         record = manifest.make(plan, staging, tensorrt_version=tensorrt_version, device=device,
                                build_s=time.perf_counter() - started, built_graphs=built_from)
         atomic.write_text(staging / MANIFEST, manifest.to_json(record))

@@ -167,6 +167,14 @@ def _check_dynamic(onnx_model: onnx.ModelProto, dynamic: dict[str, dict]) -> Non
                                f"{dims[fixed[0]].dim_value} instead of keeping it dynamic (a dlmrt bug)")
 
 
+def save_graph(onnx_model: onnx.ModelProto, path: Path) -> None:
+    """Save a step graph; one over EXTERNAL_DATA_BYTES keeps its weights in `<name>.data` beside it
+    (protobuf cannot hold 2 GiB)."""
+    large = onnx_model.ByteSize() > EXTERNAL_DATA_BYTES
+    onnx.save_model(onnx_model, path, save_as_external_data=large, all_tensors_to_one_file=True,
+                    location=f"{path.name}.data")
+
+
 def _tensor_contract(values) -> list[dict]:
     contract = []
     for value in values:
@@ -201,9 +209,7 @@ def export(model: Denoiser, out_dir: str | Path, *, opset: int = DEFAULT_OPSET, 
         for graph in GRAPHS + (GUIDED_GRAPHS if guidance else ()):
             onnx_model = export_graph(model, graph, grid, opset, max_batch, max_length)
             path = staging / graph_file(graph)
-            large = onnx_model.ByteSize() > EXTERNAL_DATA_BYTES
-            onnx.save_model(onnx_model, path, save_as_external_data=large, all_tensors_to_one_file=True,
-                            location=f"{path.name}.data")
+            save_graph(onnx_model, path)
             onnx.checker.check_model(path, full_check=True)
             graphs[graph] = {"file": path.name, "inputs": _tensor_contract(onnx_model.graph.input),
                              "outputs": _tensor_contract(onnx_model.graph.output)}

@@ -372,7 +372,7 @@ def test_bad_calibration_feeds_are_refused(quantized, tmp_path):
 
 
 def test_big_models_keep_external_data(quantized, tmp_path, monkeypatch):
-    monkeypatch.setattr(nvfp4_onnx, "EXTERNAL_DATA_BYTES", 0)
+    monkeypatch.setattr(onnx_export, "EXTERNAL_DATA_BYTES", 0)
     original = tmp_path / "in.onnx"
     onnx.save(quantized[0], original)
     nvfp4_onnx.quantize_onnx(original, tmp_path / "out.onnx", [step_feed(quantized[3][:2], 2)])

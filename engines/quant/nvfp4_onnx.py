@@ -41,12 +41,12 @@ from onnx import TensorProto, helper, numpy_helper
 
 from dlmrt.engines.quant import nvfp4
 from dlmrt.engines.quant.nvfp4 import BLOCK_SIZE, QuantizationError
+from dlmrt.export.onnx_export import save_graph
 
 OPSET = 23
 IR_VERSION = 11
 TRT_DOMAIN = "trt"
 DYNAMIC_QUANTIZE = "TRT_FP4DynamicQuantize"
-EXTERNAL_DATA_BYTES = 1 << 30  # as the exporter: bigger models keep their weights in a .data file
 _FLOATS = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16)
 _BLOCK_MODULE = re.compile(r"\.(blocks|layers)\.\d+\.")
 _LINEAR = "torch.nn.modules.linear.Linear"
@@ -114,7 +114,7 @@ def _calibrate(model: onnx.ModelProto, names: Sequence[str], feeds: Sequence[Map
                               for n in names)
     with tempfile.TemporaryDirectory() as scratch:
         path = Path(scratch) / "calibration.onnx"
-        _save(probe, path)
+        save_graph(probe, path)
         session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
         amax = dict.fromkeys(names, 0.0)
         for feed in feeds:
@@ -211,12 +211,6 @@ def _set_opset(model: onnx.ModelProto) -> None:
     model.ir_version = max(model.ir_version, IR_VERSION)
 
 
-def _save(model: onnx.ModelProto, path: Path) -> None:
-    large = model.ByteSize() > EXTERNAL_DATA_BYTES
-    onnx.save_model(model, path, save_as_external_data=large, all_tensors_to_one_file=True,
-                    location=f"{path.name}.data")
-
-
 def quantize_onnx(in_path: str | Path, out_path: str | Path,
                   feeds: Sequence[Mapping[str, np.ndarray]]) -> QuantizeReport:
     """Write `in_path` (a step graph from `dlmrt export`, fp32 for calibration on the CPU) to
@@ -231,7 +225,7 @@ def quantize_onnx(in_path: str | Path, out_path: str | Path,
     problems = check_nvfp4_graph(model)
     if problems:
         raise RuntimeError(f"the NVFP4 graph fails its own check (a dlmrt bug): {problems[0]}")
-    _save(model, Path(out_path))
+    save_graph(model, Path(out_path))
     return report
 
 
