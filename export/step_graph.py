@@ -10,6 +10,14 @@ Two graphs cover every cache mode:
 Both return the window's K/V, so either can write the cache. The block is given as window indices
 (`block_index`), so one graph serves every block position and block length.
 
+The same module is the step of every torch path (eager, compiled, captured into a CUDA graph;
+`dlmrt.runtime.device_step` runs it over a bucket's static buffers). Outside export, the unmasking is
+the op's torch reference rather than the opaque custom op, so that torch.compile sees through it, and
+three static options drop work a step does not need: `return_kv=False` (a step that writes no cache;
+its `kv` output is None), `sampling=False` (every temperature is 0: no noise is drawn, and no host
+read asks) and `confidence` (every row uses this measure, so the others are not computed). Exports
+always return the K/V and take every temperature and measure as inputs.
+
 With classifier-free guidance (`full_guided`, `cached_guided`) the graph also takes each row's
 prompt length and the scale, runs the prompt-masked copy of every row beside it (the model's K/V,
 `z` and their outputs have 2B rows: the unconditional rows follow the conditional ones), and mixes
@@ -24,6 +32,7 @@ from torch import Tensor, nn
 from dlmrt.export.models import Denoiser
 from dlmrt.export.models.denoiser import PastKV
 from dlmrt.export.models.residual import Residual
+from dlmrt.plugins.parallel_unmask import UnmaskParams, parallel_unmask
 from dlmrt.plugins.parallel_unmask import torch_op  # noqa: F401  (registers torch.ops.dlmrt.parallel_unmask)
 
 GRAPHS = ("full", "cached")
@@ -51,11 +60,13 @@ def output_names(residual: bool) -> list[str]:
 
 
 class StepGraph(nn.Module):
-    def __init__(self, model: Denoiser, graph: str, grid: int | None):
+    def __init__(self, model: Denoiser, graph: str, grid: int | None, *, return_kv: bool = True,
+                 sampling: bool | None = None, confidence: str | None = None):
         super().__init__()
         self.model, self.grid = model, grid
         self.cached, self.guided = graph.startswith("cached"), graph.endswith("_guided")
         self.residual = model.residual_config is not None
+        self.return_kv, self.sampling, self.confidence = return_kv, sampling, confidence
 
     def forward(self, ids: Tensor, positions: Tensor, key_mask: Tensor, block_index: Tensor, count: Tensor,
                 threshold: Tensor, factor: Tensor, temperature: Tensor, seed: Tensor, step: Tensor,
@@ -73,15 +84,21 @@ class StepGraph(nn.Module):
             past_positions = None if past_positions is None else past_positions.repeat(2, 1)
         past = PastKV(past_kv, past_positions) if self.cached else None
         residual = Residual(z, certainty) if self.residual else None
+        exporting = torch.compiler.is_exporting()
         out = self.model.denoise(model_ids, positions=model_positions, key_mask=key_mask, past=past,
-                                 residual=residual, return_kv=True, block_length=self.grid,
+                                 residual=residual, return_kv=self.return_kv or exporting, block_length=self.grid,
                                  logits_index=block_index)
         logits = out.logits.float()
         if self.guided:
             cond, uncond = logits[:ids.shape[0]], logits[ids.shape[0]:]  # not chunk(): it guards the batch
             logits = uncond + (cfg_scale + 1) * (cond - uncond)
-        unmasked = torch.ops.dlmrt.parallel_unmask(
-            logits, ids.index_select(1, block_index), positions.index_select(1, block_index),
-            count, threshold, factor, temperature, seed, step, measure, mask_id)
+        block_ids, block_positions = ids.index_select(1, block_index), positions.index_select(1, block_index)
+        if exporting:
+            unmasked = torch.ops.dlmrt.parallel_unmask(logits, block_ids, block_positions, count, threshold, factor,
+                                                       temperature, seed, step, measure, mask_id)
+        else:
+            params = UnmaskParams(count, threshold, factor, temperature, seed, step)
+            unmasked = parallel_unmask(logits, block_ids, block_positions, params, mask_id=mask_id,
+                                       confidence=self.confidence or measure, sampling=self.sampling)
         extra = (out.residual.z, out.residual.certainty) if self.residual else ()
         return (*unmasked, out.kv, *extra)

@@ -1,30 +1,27 @@
-"""The backend contract: run one step graph on buffers allocated once per shape bucket.
+"""The backend contract: run K steps of a step graph on a bucket's static buffers, in place.
 
-A step is the denoiser forward over a window of the canvas fused with the
-parallel unmasking of the block inside that window (DESIGN.md, "Step graph"):
-
-    inputs   ids [B, W], positions [B, W], key_mask [B, P + W], past K/V [L, 2, B', Hkv, P, D]
-             and its positions [B', P], the block's offset in the window, per-row policy
-             parameters [B], prompt lengths [B] (for guidance), and for ORL models z [B', W, H]
-             with its certainty [B', W]
-    outputs  the block's ids after unmasking, its confidence and commit mask [B, block], the
-             per-row commit count [B], the window's K/V [L, 2, B', Hkv, W, D] (on request), and
-             for ORL models the next z and certainty [B', W, ...]
-
-B' is B, or 2B with classifier-free guidance (the unconditional rows follow the
-conditional ones). The loop never knows which backend runs the step.
+A backend owns the state of each shape bucket (`dlmrt.runtime.device_state`): `prepare(bucket)` hands
+out its buffers, allocated once; `prepare_steps` is where a step of one kind, run K times back to
+back, is compiled or captured; `run` enqueues those K steps without reading anything back. The step
+itself is `dlmrt.runtime.device_step.step`, the same function for every backend: what differs is how
+the step graph runs (eager torch, torch.compile, a CUDA graph, an ONNX Runtime session). The loop
+never knows which backend runs the step.
 """
 
 from __future__ import annotations
 
+import weakref
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING
 
 import torch
-from torch import Tensor
 
-from dlmrt.plugins.parallel_unmask import UnmaskParams
+from dlmrt.errors import ArgumentError
+
+if TYPE_CHECKING:
+    from dlmrt.runtime.device_state import Bucket, BucketLadder, DeviceState
+    from dlmrt.runtime.device_step import StepKind
 
 
 @dataclass(frozen=True)
@@ -45,70 +42,44 @@ class ModelSpec:
     has_residual: bool
     dtype: torch.dtype
     device: torch.device
-    # What a compiled backend was built for (None: no limit), and how to lift its limits.
-    max_batch: int | None = None
+    # How to lift the limits of what a compiled backend was built for.
     limits_hint: str = ""
     block_grid: int | None = None  # the block-causal grid a compiled graph was built with
     supports_guidance: bool = True
 
 
-class StepShapes(NamedTuple):
-    """A shape bucket: buffers are allocated once per distinct value."""
-
-    batch: int  # conditional rows
-    window: int
-    prefix: int
-    block: int
-    return_kv: bool
-    guided: bool  # classifier-free guidance doubles the model's rows
-
-
-@dataclass
-class StepInputs:
-    ids: Tensor
-    positions: Tensor
-    key_mask: Tensor
-    past_kv: Tensor | None  # None when the prefix is empty
-    past_positions: Tensor | None
-    block_offset: int  # where the block starts inside the window
-    block_length: int
-    params: UnmaskParams
-    prompt_lengths: Tensor
-    z: Tensor | None
-    certainty: Tensor | None
-    return_kv: bool
-    cfg_scale: float
-    confidence: str
-    sampling: bool  # whether any row has temperature > 0
-    grid: int | None  # the block-causal grid, for block-diffusion models
-
-    def shapes(self) -> StepShapes:
-        prefix = 0 if self.past_kv is None else self.past_kv.shape[4]
-        return StepShapes(self.ids.shape[0], self.ids.shape[1], prefix, self.block_length,
-                          self.return_kv, self.cfg_scale > 0)
-
-
-class StepOutputs(NamedTuple):
-    ids: Tensor  # [B, block]
-    confidence: Tensor  # [B, block]
-    commit: Tensor  # [B, block]
-    committed: Tensor  # [B]
-    kv: Tensor | None  # [L, 2, B', Hkv, W, D]
-    z: Tensor | None  # [B', W, H]
-    certainty: Tensor | None  # [B', W]
-
-
 class Backend(ABC):
-    spec: ModelSpec
+    def __init__(self, spec: ModelSpec, ladder: BucketLadder):
+        self.spec, self.ladder = spec, ladder
+        self._states: dict[Bucket, DeviceState] = {}
+        self._owners: dict[Bucket, weakref.ref] = {}
+
+    def prepare(self, bucket: Bucket, owner: object) -> DeviceState:
+        """The static state of `bucket` (allocated on first use) for `owner`, a running request. A
+        bucket runs one request at a time; it is free again once `release` was called or its owner
+        is gone."""
+        from dlmrt.runtime.device_state import DeviceState
+
+        holder = self._owners.get(bucket)
+        if holder is not None and holder() is not None and holder() is not owner:
+            raise ArgumentError("this backend is already decoding a batch of the same shape: finish or close the "
+                                "other generate stream first, or give each concurrent stream its own backend")
+        if bucket not in self._states:
+            self._states[bucket] = DeviceState.allocate(self.spec, bucket)
+        self._owners[bucket] = weakref.ref(owner)
+        return self._states[bucket]
+
+    def release(self, state: DeviceState) -> None:
+        self._owners.pop(state.bucket, None)
+
+    def prepare_steps(self, state: DeviceState, kind: StepKind, steps: int) -> float:
+        """Make `steps` back-to-back steps of `kind` runnable on `state`: compile or capture them on
+        first use. Returns the seconds this call spent doing so."""
+        return 0.0
 
     @abstractmethod
-    def prepare(self, shapes: StepShapes) -> None:
-        """Allocate what a step of these shapes needs (called before the first such step)."""
-
-    @abstractmethod
-    def step(self, inputs: StepInputs) -> StepOutputs:
-        """Run one step; the outputs live in the backend's buffers until the next step of the
-        same shapes."""
+    def run(self, state: DeviceState, kind: StepKind, steps: int) -> None:
+        """Enqueue `steps` steps of `kind` on `state`, in place, without reading anything back."""
 
     def synchronize(self) -> None:
         """Wait for queued device work (for timing)."""

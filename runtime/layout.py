@@ -12,7 +12,8 @@ LLaDA2.x's generate does. In a batch, each row is shifted by a multiple of the
 block length so that every row's first generated block is the same canvas
 block; the canvas positions a row does not use are padding.
 
-Positions count each row's real tokens from 0, so a row decodes as it would alone.
+Positions count each row's real tokens from 0, so a row decodes as it would alone. A canvas longer
+than the batch needs (a shape bucket's) gets extra left padding, which changes nothing a row computes.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class Layout:
     positions: Tensor  # [B, L]
     prompt_lengths: Tensor  # [B]
     output_start: Tensor  # [B] canvas index of each row's first generated token
+    decode_end: Tensor  # [B] canvas index after the last position the row denoises
     first_block_start: int
     num_blocks: int
     block_length: int
@@ -57,11 +59,28 @@ def _canvas(rows: Sequence[tuple[int, Sequence[int], int]], length: int, pad_id:
     return ids, key_mask
 
 
-def build(prompts: Sequence[Sequence[int]], gen_length: int, block_length: int, *, block_causal: bool,
-          pad_id: int, mask_id: int) -> Layout:
+def canvas_length(prompts: Sequence[Sequence[int]], gen_length: int, block_length: int, *,
+                  block_causal: bool) -> int:
+    """The canvas a batch needs without extra padding."""
     lengths = [len(p) for p in prompts]
     if block_causal:
-        first_block = max(n // block_length for n in lengths)
+        blocks = max(-(-(n % block_length + gen_length) // block_length) for n in lengths)
+        return (max(n // block_length for n in lengths) + blocks) * block_length
+    return max(lengths) + gen_length
+
+
+def build(prompts: Sequence[Sequence[int]], gen_length: int, block_length: int, *, block_causal: bool,
+          pad_id: int, mask_id: int, canvas: int | None = None) -> Layout:
+    """The layout of a batch, on a canvas of `canvas` positions (default: what it needs; for a
+    block-causal model, the extra padding must be whole blocks)."""
+    lengths = [len(p) for p in prompts]
+    needed = canvas_length(prompts, gen_length, block_length, block_causal=block_causal)
+    extra = 0 if canvas is None else canvas - needed
+    if extra < 0 or (block_causal and extra % block_length):
+        raise ValueError(f"a canvas of {canvas} cannot hold this batch ({needed} positions, padded by whole "
+                         f"blocks of {block_length})")
+    if block_causal:
+        first_block = max(n // block_length for n in lengths) + extra // block_length
         blocks = [-(-(n % block_length + gen_length) // block_length) for n in lengths]
         num_blocks = max(blocks)
         shifts = [(first_block - n // block_length) * block_length for n in lengths]
@@ -69,16 +88,19 @@ def build(prompts: Sequence[Sequence[int]], gen_length: int, block_length: int, 
                 for shift, prompt, nb in zip(shifts, prompts, blocks)]
         first_block_start = first_block * block_length
         output_start = [first_block_start + n % block_length for n in lengths]
+        decode_end = [first_block_start + nb * block_length for nb in blocks]
         length = first_block_start + num_blocks * block_length
     else:
-        width = max(lengths)
+        width = max(lengths) + extra
         rows = [(width - len(prompt), prompt, gen_length) for prompt in prompts]
         first_block_start, num_blocks = width, gen_length // block_length
         output_start = [width] * len(prompts)
         length = width + gen_length
+        decode_end = [length] * len(prompts)
     ids, key_mask = _canvas(rows, length, pad_id, mask_id)
     positions = (key_mask.long().cumsum(-1) - 1).clamp(min=0)
     return Layout(ids=ids, key_mask=key_mask, positions=positions,
                   prompt_lengths=torch.tensor(lengths, dtype=torch.long),
                   output_start=torch.tensor(output_start, dtype=torch.long),
+                  decode_end=torch.tensor(decode_end, dtype=torch.long),
                   first_block_start=first_block_start, num_blocks=num_blocks, block_length=block_length)

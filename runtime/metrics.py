@@ -16,14 +16,18 @@ import torch
 
 @dataclass(frozen=True)
 class GenerationMetrics:
-    nfe: int  # denoiser forwards, including full forwards that refresh a cache (a guided pair is one)
+    nfe: int  # forwards that did work, including those that refresh a cache (a guided pair is one)
     sequence_forwards: int  # forwards summed over rows: each row counts the forwards it took part in
     generated_tokens: int  # positions the model committed in the requested outputs; prompts never count
     prompt_tokens: int  # unpadded prompt tokens
     batch_size: int
-    latency_s: float  # wall time
-    backend_s: float = 0.0  # time inside Backend.step (the rest is host-side loop overhead)
+    latency_s: float  # wall time, less the time spent compiling or capturing (`compile_s`)
+    backend_s: float = 0.0  # time running steps on the backend (the rest is host-side loop overhead)
     peak_memory_bytes: int = 0  # device peak allocation on CUDA; the process's peak RSS on a CPU
+    # Forwards run, no-op steps after a block was done included: K steps per host read may run more
+    # than `nfe`, and the difference is what a large K costs.
+    forwards_executed: int = 0
+    compile_s: float = 0.0  # compiling or capturing step graphs (first use of a bucket), apart from latency_s
 
     @property
     def tpf(self) -> float:
@@ -54,7 +58,8 @@ class GenerationMetrics:
             generated_tokens=sum(p.generated_tokens for p in parts),
             prompt_tokens=sum(p.prompt_tokens for p in parts), batch_size=sum(p.batch_size for p in parts),
             latency_s=sum(p.latency_s for p in parts), backend_s=sum(p.backend_s for p in parts),
-            peak_memory_bytes=max((p.peak_memory_bytes for p in parts), default=0))
+            peak_memory_bytes=max((p.peak_memory_bytes for p in parts), default=0),
+            forwards_executed=sum(p.forwards_executed for p in parts), compile_s=sum(p.compile_s for p in parts))
 
     def table(self, title: str = "generation metrics"):
         from rich.table import Table
@@ -63,12 +68,14 @@ class GenerationMetrics:
         table.add_column("metric")
         table.add_column("value", justify="right")
         rows = [
-            ("forwards (NFE)", f"{self.nfe}"), ("generated tokens", f"{self.generated_tokens}"),
+            ("forwards (NFE)", f"{self.nfe}"), ("forwards executed", f"{self.forwards_executed}"),
+            ("generated tokens", f"{self.generated_tokens}"),
             ("prompt tokens", f"{self.prompt_tokens}"), ("batch", f"{self.batch_size}"),
             ("tokens per forward", f"{self.tpf:.2f}"), ("tokens/s", f"{self.tokens_per_s:.1f}"),
             ("latency", f"{self.latency_s * 1e3:.1f} ms"), ("backend", f"{self.backend_s * 1e3:.1f} ms"),
             ("host overhead", f"{self.host_s * 1e3:.1f} ms ({self.host_fraction:.1%})"),
             ("peak memory", f"{self.peak_memory_bytes / 2**20:.1f} MiB"),
+            ("compile / capture", f"{self.compile_s:.1f} s"),
         ]
         for name, value in rows:
             table.add_row(name, value)

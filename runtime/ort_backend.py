@@ -1,9 +1,11 @@
 """OrtBackend: the exported step graphs (`dlmrt export`) run by ONNX Runtime, with IO binding.
 
-One session per graph (`full`, `cached`); inputs are bound from the Generator's torch tensors and
-outputs to buffers allocated once per shape bucket, so a step copies nothing it does not have to
-(strided views, such as a window of the canvas, are made contiguous first). The CPU provider is
-used here; the CUDA provider where onnxruntime-gpu and a GPU are present.
+One session per graph (`full`, `cached`, and the guided ones). A step is `device_step.step`, as for
+every backend, with the session as its step graph: for each bucket and step kind an IO binding is
+made once, with the state's static buffers (or the window buffers `device_step.gather` refills) as
+inputs and static output buffers, so a step binds and copies nothing. The whole-canvas refresh
+writes its K/V straight into the cache storage, and a step that writes no cache binds no K/V
+output. The CPU provider is used here; the CUDA provider where onnxruntime-gpu and a GPU are present.
 """
 
 from __future__ import annotations
@@ -22,10 +24,11 @@ import torch
 from dlmrt.errors import ArgumentError, CheckpointError
 from dlmrt.export.models.denoiser import SpecialTokens
 from dlmrt.export.onnx_export import FORMAT_VERSION, MANIFEST
-from dlmrt.export.step_graph import graph_name
 from dlmrt.hashing import sha256_of
-from dlmrt.plugins.parallel_unmask import MEASURE_CODES
-from dlmrt.runtime.backend import Backend, ModelSpec, StepInputs, StepOutputs, StepShapes
+from dlmrt.runtime import device_step
+from dlmrt.runtime.backend import Backend, ModelSpec
+from dlmrt.runtime.device_state import BucketLadder, DeviceState
+from dlmrt.runtime.device_step import GraphOutputs, StepKind
 
 OPTIMIZATION_LEVELS = ("disable", "basic", "extended", "all")
 _NUMPY = {torch.float32: np.float32, torch.float16: np.float16, torch.int64: np.int64, torch.bool: np.bool_}
@@ -67,7 +70,7 @@ def spec_from_manifest(manifest: dict, export_dir: Path) -> ModelSpec:
         num_layers=model["num_layers"], num_kv_heads=model["num_kv_heads"], head_dim=model["head_dim"],
         max_positions=limits["max_length"], mask_id=tokens["mask_id"], eos_ids=tuple(tokens["eos_ids"]),
         pad_id=tokens["pad_id"], block_causal=model["block_causal"], has_residual=model["residual"],
-        dtype=getattr(torch, model["dtype"]), device=torch.device("cpu"), max_batch=limits["max_batch"],
+        dtype=getattr(torch, model["dtype"]), device=torch.device("cpu"),
         limits_hint=f"re-export with `dlmrt export ... -o {export_dir} --max-batch B --max-length N`",
         block_grid=model["block_grid"], supports_guidance="full_guided" in manifest["graphs"])
 
@@ -99,6 +102,30 @@ class ExportedModel:
                    generation_config=json.loads(generation_path.read_text()) if generation_path.is_file() else {})
 
 
+class _Binding:
+    """One IO binding of a session to a bucket's buffers, for one step kind."""
+
+    def __init__(self, session, state: DeviceState, inputs: dict[str, torch.Tensor],
+                 outputs: dict[str, torch.Tensor]):
+        self.session, self.state, self.outputs = session, state, outputs  # the state stays alive with its binding
+        self.binding = session.io_binding()
+        for name, tensor in inputs.items():
+            _bind(self.binding.bind_input, name, tensor)
+        for name, tensor in outputs.items():
+            _bind(self.binding.bind_output, name, tensor)
+
+    def __call__(self, inputs) -> GraphOutputs:
+        self.session.run_with_iobinding(self.binding)
+        out = self.outputs
+        return GraphOutputs(out["new_ids"], out.get("kv"), out.get("next_z"), out.get("next_certainty"))
+
+
+def _bind(bind, name: str, tensor: torch.Tensor) -> None:
+    if not tensor.is_contiguous():
+        raise ValueError(f"{name} is not contiguous: a dlmrt bug (bindings read static buffers as they are)")
+    bind(name, "cpu", 0, _NUMPY[tensor.dtype], list(tensor.shape), tensor.data_ptr())
+
+
 class OrtBackend(Backend):
     def __init__(self, export_dir: str | Path, *, threads: int | None = None, optimization: str = "all",
                  providers: list[str] | None = None, optimized_model_dir: str | Path | None = None):
@@ -106,7 +133,9 @@ class OrtBackend(Backend):
 
         self.export_dir = Path(export_dir)
         self.manifest = load_manifest(self.export_dir)
-        self.spec = spec_from_manifest(self.manifest, self.export_dir)
+        spec = spec_from_manifest(self.manifest, self.export_dir)
+        limits = self.manifest["limits"]
+        super().__init__(spec, BucketLadder(limits["max_batch"], limits["max_length"], hint=spec.limits_hint))
         if optimization not in OPTIMIZATION_LEVELS:
             raise ArgumentError(f"optimization must be one of {', '.join(OPTIMIZATION_LEVELS)}, got {optimization!r}")
         available = ort.get_available_providers()
@@ -145,82 +174,36 @@ class OrtBackend(Backend):
             self.sessions[graph] = ort.InferenceSession(source, options, providers=providers)
             if options.optimized_model_filepath:
                 os.replace(options.optimized_model_filepath, saved)
-        self._buffers: dict[StepShapes, StepOutputs] = {}
-        self._block_index: dict[tuple[int, int], torch.Tensor] = {}
-        self._measure: dict[tuple[str, int], torch.Tensor] = {}
-        self._scales: dict[float, torch.Tensor] = {}
+        self._bindings: dict[tuple, _Binding] = {}
 
-    def prepare(self, shapes: StepShapes) -> None:
-        if shapes in self._buffers:
-            return
-        s = self.spec
-        rows = shapes.batch * (2 if shapes.guided else 1)
-        z = certainty = None
-        if s.has_residual:
-            z = torch.empty(rows, shapes.window, s.hidden_size, dtype=s.dtype)
-            certainty = torch.empty(rows, shapes.window, dtype=s.dtype)
-        self._buffers[shapes] = StepOutputs(
-            ids=torch.empty(shapes.batch, shapes.block, dtype=torch.long),
-            confidence=torch.empty(shapes.batch, shapes.block, dtype=torch.float32),
-            commit=torch.empty(shapes.batch, shapes.block, dtype=torch.bool),
-            committed=torch.empty(shapes.batch, dtype=torch.long),
-            kv=torch.empty(s.num_layers, 2, rows, s.num_kv_heads, shapes.window, s.head_dim, dtype=s.dtype),
-            z=z, certainty=certainty)
+    def feeds(self, state: DeviceState, kind: StepKind) -> tuple[str, dict[str, torch.Tensor]]:
+        """The graph the next step of `kind` runs, and its inputs by name, gathered from the state
+        (the bound buffers themselves: copy them to keep them)."""
+        device_step.allocate(state, kind)
+        device_step.gather(state, kind)
+        return kind.graph(state.bucket.guided), device_step.graph_inputs(state, kind)
 
-    def step(self, inputs: StepInputs) -> StepOutputs:
-        shapes = inputs.shapes()
-        self.prepare(shapes)
-        buffers = self._buffers[shapes]
-        graph, feeds = self.feeds(inputs, shapes)
-        session = self.sessions[graph]
-        binding = session.io_binding()
-        keep = []  # contiguous copies must outlive the run
-        for name, tensor in feeds.items():
-            tensor = tensor.contiguous()
-            keep.append(tensor)
-            binding.bind_input(name, "cpu", 0, _NUMPY[tensor.dtype], list(tensor.shape), tensor.data_ptr())
-        outputs = {"new_ids": buffers.ids, "confidence": buffers.confidence, "commit": buffers.commit,
-                   "committed": buffers.committed, "kv": buffers.kv}
-        if self.spec.has_residual:
-            outputs.update(next_z=buffers.z, next_certainty=buffers.certainty)
-        for name, tensor in outputs.items():
-            binding.bind_output(name, "cpu", 0, _NUMPY[tensor.dtype], list(tensor.shape), tensor.data_ptr())
-        session.run_with_iobinding(binding)
-        return buffers
+    def run(self, state: DeviceState, kind: StepKind, steps: int) -> None:
+        binding = self._binding(state, kind)
+        for _ in range(steps):
+            device_step.step(state, kind, binding)
 
-    def feeds(self, inputs: StepInputs, shapes: StepShapes | None = None) -> tuple[str, dict[str, torch.Tensor]]:
-        """The graph that runs this step, and its inputs by name (torch tensors, possibly strided);
-        `shapes` are the inputs' shapes where the caller has them."""
-        shapes = shapes or inputs.shapes()
-        graph = graph_name(cached=inputs.past_kv is not None, guided=shapes.guided)
-        window = inputs.ids.shape[1]
-        feeds = {
-            "ids": inputs.ids, "positions": inputs.positions, "key_mask": inputs.key_mask[:, -window:],
-            "block_index": self._block(inputs.block_offset, inputs.block_length),
-            **inputs.params._asdict(), "measure": self._measures(inputs.confidence, shapes.batch),
-        }
-        if inputs.past_kv is not None:
-            feeds.update(past_kv=inputs.past_kv, past_positions=inputs.past_positions,
-                         past_key_mask=inputs.key_mask[:, :-window])
-        if self.spec.has_residual:
-            feeds.update(z=inputs.z, certainty=inputs.certainty)
-        if shapes.guided:
-            feeds.update(prompt_lengths=inputs.prompt_lengths, cfg_scale=self._cfg_scale(inputs.cfg_scale))
-        return graph, feeds
-
-    def _block(self, offset: int, length: int) -> torch.Tensor:
-        key = (offset, length)
-        if key not in self._block_index:
-            self._block_index[key] = torch.arange(offset, offset + length)
-        return self._block_index[key]
-
-    def _cfg_scale(self, scale: float) -> torch.Tensor:
-        if scale not in self._scales:
-            self._scales[scale] = torch.tensor([scale], dtype=torch.float32)
-        return self._scales[scale]
-
-    def _measures(self, confidence: str, batch: int) -> torch.Tensor:
-        key = (confidence, batch)
-        if key not in self._measure:
-            self._measure[key] = torch.full((batch,), MEASURE_CODES[confidence], dtype=torch.long)
-        return self._measure[key]
+    def _binding(self, state: DeviceState, kind: StepKind) -> _Binding:
+        key = (id(state), kind.window, kind.start, kind.cached, kind.writes)
+        if key not in self._bindings:
+            device_step.allocate(state, kind)
+            bucket, s = state.bucket, self.spec
+            rows, model_rows, block = bucket.batch, bucket.model_rows, bucket.block
+            outputs = {"new_ids": torch.empty(rows, block, dtype=torch.long),
+                       "confidence": torch.empty(rows, block, dtype=torch.float32),
+                       "commit": torch.empty(rows, block, dtype=torch.bool),
+                       "committed": torch.empty(rows, dtype=torch.long)}
+            if kind.writes:  # the whole-canvas refresh writes its K/V straight into the cache storage
+                outputs["kv"] = state.kv if kind.writes == bucket.canvas else torch.empty(
+                    s.num_layers, 2, model_rows, s.num_kv_heads, kind.window, s.head_dim, dtype=s.dtype)
+            if s.has_residual:
+                outputs["next_z"] = torch.empty(model_rows, kind.window, s.hidden_size, dtype=s.dtype)
+                outputs["next_certainty"] = torch.empty(model_rows, kind.window, dtype=s.dtype)
+            session = self.sessions[kind.graph(bucket.guided)]
+            self._bindings[key] = _Binding(session, state, device_step.graph_inputs(state, kind), outputs)
+        return self._bindings[key]

@@ -27,14 +27,20 @@ class GenerationSettings:
     ignore_eos: bool = False
     # Cap on the steps of one block; the last allowed step commits whatever is left.
     max_block_steps: int | None = None
+    # Steps run back to back on the device before the host reads whether the block is done (K). None
+    # is automatic: 1 on a CPU, where a read costs nothing; on CUDA, as many as the tokens per
+    # forward seen so far say the block still needs. Steps after a block is done change nothing.
+    steps_per_sync: int | None = None
 
     @property
     def num_blocks(self) -> int:
         return self.gen_length // self.block_length
 
     def block_steps(self) -> int:
+        """The most steps a block runs: no block needs more than one per position."""
         steps = self.policy.block_steps(self)
-        return steps if self.max_block_steps is None else min(steps, self.max_block_steps)
+        steps = steps if self.max_block_steps is None else min(steps, self.max_block_steps)
+        return min(steps, self.block_length)
 
     def validate(self, block_causal: bool = False) -> None:
         """Raise ArgumentError for settings that cannot work. Block-causal models place blocks on
@@ -48,6 +54,8 @@ class GenerationSettings:
                                 f"({self.block_length})")
         if self.max_block_steps is not None and self.max_block_steps <= 0:
             raise ArgumentError(f"the step budget per block must be positive, got {self.max_block_steps}")
+        if self.steps_per_sync is not None and self.steps_per_sync <= 0:
+            raise ArgumentError(f"steps-per-sync must be positive, got {self.steps_per_sync}")
         if not isinstance(self.policy, Policy):
             raise ArgumentError(f"policy must be a dlmrt.runtime.policies.Policy, got {self.policy!r}")
         self.policy.validate(self)
@@ -78,9 +86,6 @@ def check_request(spec: ModelSpec, prompts: Sequence[Sequence[int]], settings: G
                             f"re-export with --block-length {settings.block_length}")
     if not prompts:
         raise ArgumentError("no prompt given")
-    if spec.max_batch is not None and len(prompts) > spec.max_batch:
-        raise ArgumentError(f"{len(prompts)} prompts exceed the batch limit of {spec.max_batch}: "
-                            f"{spec.limits_hint or 'split the batch'}")
     for row, prompt in enumerate(prompts):
         if len(prompt) == 0:
             raise ArgumentError(f"prompt {row} is empty")

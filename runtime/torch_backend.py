@@ -1,14 +1,46 @@
-"""TorchBackend: the step graph in eager PyTorch, on whatever device the denoiser lives on."""
+"""TorchBackend: the step graph in PyTorch, run eagerly, compiled, or captured into CUDA graphs.
+
+    TorchBackend(model)                   # mode "auto": cudagraph on CUDA, eager on a CPU
+    TorchBackend(model, mode="eager")     # today's loop: op by op
+
+Every mode runs the same function, K steps of `dlmrt.runtime.device_step.step` over a bucket's
+static buffers, with the module the exporter traces (`dlmrt.export.step_graph.StepGraph`) as the step:
+
+- `eager`: op by op, as written.
+- `compile`: `torch.compile(fullgraph=True, dynamic=False)` of the K-step function, one graph per
+  bucket, step kind and K. On a CPU the linear layers run on oneDNN with prepacked weights
+  (`dlmrt.runtime.onednn`). Inductor's compiled artifacts are kept under `$DLMRT_HOME/inductor`
+  (unless TORCHINDUCTOR_CACHE_DIR is set), so a later process compiles faster.
+- `cudagraph` (CUDA only): the K-step function is captured once per bucket, step kind and K into a
+  `torch.cuda.CUDAGraph` after a warm-up on a side stream, all graphs sharing one memory pool; a
+  replay reads the static buffers, which the host refills before it (block start, schedule).
+
+A bucket that fails to compile or capture falls back to `eager` when the mode was the default one
+(`auto`), with one warning; a mode asked for by name fails with the error.
+"""
 
 from __future__ import annotations
 
-import torch
+import os
+import time
+import warnings
+from collections.abc import Mapping
 
+import torch
+from torch import Tensor
+
+from dlmrt.errors import ArgumentError
 from dlmrt.export.models import Denoiser
-from dlmrt.export.models.denoiser import PastKV
-from dlmrt.export.models.residual import Residual
-from dlmrt.plugins.parallel_unmask import parallel_unmask
-from dlmrt.runtime.backend import Backend, ModelSpec, StepInputs, StepOutputs, StepShapes
+from dlmrt.export.step_graph import StepGraph
+from dlmrt.runtime import device_step, onednn
+from dlmrt.runtime.backend import Backend, ModelSpec
+from dlmrt.runtime.device_state import BucketLadder, DeviceState
+from dlmrt.runtime.device_step import GraphOutputs, StepKind
+
+MODES = ("eager", "compile", "cudagraph")
+DEFAULT_MAX_BATCH = 64
+# Graphs dynamo may hold for the K-step function: one per bucket, step kind and K.
+_RECOMPILE_LIMIT = 1024
 
 
 def spec_of(model: Denoiser) -> ModelSpec:
@@ -24,70 +56,153 @@ def spec_of(model: Denoiser) -> ModelSpec:
         dtype=model.dtype, device=model.device)
 
 
+def modes_for(device: torch.device) -> tuple[str, ...]:
+    return MODES if device.type == "cuda" else ("eager", "compile")
+
+
+def resolve_mode(mode: str, device: torch.device) -> str:
+    """The mode to run: `auto` is cudagraph on CUDA, eager elsewhere; a mode this device cannot run
+    is refused."""
+    if mode == "auto":
+        return "cudagraph" if device.type == "cuda" else "eager"
+    runnable = modes_for(device)
+    if mode not in runnable:
+        known = "" if mode in MODES else f" (modes: auto, {', '.join(MODES)})"
+        raise ArgumentError(f"mode {mode!r} cannot run on {device.type}{known}: modes that run here are auto, "
+                            f"{', '.join(runnable)}")
+    return mode
+
+
+class _TorchGraph:
+    """The step graph as `device_step.step` calls it: inputs by name in, what it reads out."""
+
+    def __init__(self, graph: StepGraph):
+        self.graph = graph
+
+    def __call__(self, inputs: Mapping[str, Tensor]) -> GraphOutputs:
+        out = self.graph(**inputs)
+        z, certainty = (out[5], out[6]) if len(out) > 5 else (None, None)
+        return GraphOutputs(out[0], out[4], z, certainty)
+
+
 class TorchBackend(Backend):
-    """Runs the denoiser eagerly; outputs are copied into buffers owned per shape bucket, as an
-    IO-bound ONNX Runtime session or a TensorRT engine would write them."""
-
-    def __init__(self, model: Denoiser):
+    def __init__(self, model: Denoiser, *, mode: str = "auto", max_batch: int = DEFAULT_MAX_BATCH,
+                 max_length: int | None = None, batch_sizes: tuple[int, ...] | None = None,
+                 canvas_lengths: tuple[int, ...] | None = None):
         model.eval()
+        spec = spec_of(model)
+        super().__init__(spec, BucketLadder(
+            max_batch, max_length or spec.max_positions, batch_sizes, canvas_lengths,
+            hint="raise the limit with --max-batch (TorchBackend(max_batch=...))"))
         self.model = model
-        self.spec = spec_of(model)
-        self._buffers: dict[StepShapes, StepOutputs] = {}
+        self.mode = resolve_mode(mode, spec.device)
+        self.falls_back = mode == "auto"  # to eager, when a bucket fails to compile or capture
+        self._graphs: dict[tuple, _TorchGraph] = {}
+        self._runners: dict[tuple, object] = {}  # (state, kind, steps) -> what `run` calls
+        self._fallback_warned = False
+        self._compiled = None
+        self._compile_model: Denoiser | None = None
+        self._pool = None
 
-    def prepare(self, shapes: StepShapes) -> None:
-        if shapes in self._buffers:
-            return
-        s, device = self.spec, self.spec.device
-        rows = shapes.batch * (2 if shapes.guided else 1)
-        kv = None
-        if shapes.return_kv:
-            kv = torch.empty(s.num_layers, 2, rows, s.num_kv_heads, shapes.window, s.head_dim,
-                             dtype=s.dtype, device=device)
-        z = certainty = None
-        if s.has_residual:
-            z = torch.empty(rows, shapes.window, s.hidden_size, dtype=s.dtype, device=device)
-            certainty = torch.empty(rows, shapes.window, dtype=s.dtype, device=device)
-        self._buffers[shapes] = StepOutputs(
-            ids=torch.empty(shapes.batch, shapes.block, dtype=torch.long, device=device),
-            confidence=torch.empty(shapes.batch, shapes.block, dtype=torch.float32, device=device),
-            commit=torch.empty(shapes.batch, shapes.block, dtype=torch.bool, device=device),
-            committed=torch.empty(shapes.batch, dtype=torch.long, device=device),
-            kv=kv, z=z, certainty=certainty)
+    # -- the K-step function ------------------------------------------------------------------------
+    def _steps(self, state: DeviceState, kind: StepKind, steps: int, graph: _TorchGraph) -> None:
+        """The unit every mode runs: `steps` steps of `kind`, back to back."""
+        for _ in range(steps):
+            device_step.step(state, kind, graph)
+
+    def _graph(self, state: DeviceState, kind: StepKind, model: Denoiser) -> _TorchGraph:
+        grid = state.bucket.block if self.spec.block_causal else None
+        graph = kind.graph(state.bucket.guided)
+        key = (graph, grid, kind.writes > 0, kind.sampling, kind.confidence, id(model))
+        if key not in self._graphs:
+            self._graphs[key] = _TorchGraph(StepGraph(model, graph, grid, return_kv=kind.writes > 0,
+                                                      sampling=kind.sampling, confidence=kind.confidence).eval())
+        return self._graphs[key]
+
+    # -- Backend ------------------------------------------------------------------------------------
+    def prepare_steps(self, state: DeviceState, kind: StepKind, steps: int) -> float:
+        key = (id(state), kind, steps)  # a runner holds its state, so the id stays its own
+        if key in self._runners:
+            return 0.0
+        started = time.perf_counter()
+        device_step.allocate(state, kind)
+        try:
+            runner = self._build(state, kind, steps)
+        except Exception as error:  # noqa: BLE001  (any compile or capture failure)
+            if not self.falls_back:
+                raise ArgumentError(f"mode {self.mode!r} failed to {_VERB[self.mode]} the step for a batch of "
+                                    f"{state.bucket.batch} x {state.bucket.canvas}: {type(error).__name__}: "
+                                    f"{_first_line(error)}; use --mode eager") from error
+            if not self._fallback_warned:
+                warnings.warn(f"dlmrt: the {self.mode} mode failed to {_VERB[self.mode]} a step "
+                              f"({type(error).__name__}: {_first_line(error)}); running eagerly instead",
+                              RuntimeWarning, stacklevel=2)
+                self._fallback_warned = True
+            graph = self._graph(state, kind, self.model)
+            runner = lambda: self._steps(state, kind, steps, graph)  # noqa: E731
+        self._runners[key] = runner
+        return time.perf_counter() - started
 
     @torch.no_grad()
-    def step(self, inputs: StepInputs) -> StepOutputs:
-        shapes = inputs.shapes()
-        self.prepare(shapes)
-        buffers = self._buffers[shapes]
-        ids, positions, key_mask = inputs.ids, inputs.positions, inputs.key_mask
-        block = slice(inputs.block_offset, inputs.block_offset + inputs.block_length)
-        if shapes.guided:
-            is_prompt = positions < inputs.prompt_lengths[:, None]
-            ids = torch.cat((ids, ids.masked_fill(is_prompt, self.spec.mask_id)))
-            positions, key_mask = positions.repeat(2, 1), key_mask.repeat(2, 1)
-        past = None
-        if inputs.past_kv is not None:
-            past_positions = inputs.past_positions.repeat(2, 1) if shapes.guided else inputs.past_positions
-            past = PastKV(inputs.past_kv, past_positions)
-        residual = None if inputs.z is None else Residual(inputs.z, inputs.certainty)
-        out = self.model.denoise(ids, positions=positions, key_mask=key_mask, past=past,
-                                 residual=residual, return_kv=inputs.return_kv,
-                                 block_length=inputs.grid, logits_range=(block.start, block.stop))
-        logits = out.logits.float()
-        if shapes.guided:
-            cond, uncond = logits.chunk(2)
-            logits = uncond + (inputs.cfg_scale + 1) * (cond - uncond)
-        result = parallel_unmask(logits, inputs.ids[:, block], inputs.positions[:, block], inputs.params,
-                                 mask_id=self.spec.mask_id, confidence=inputs.confidence,
-                                 sampling=inputs.sampling)
+    def run(self, state: DeviceState, kind: StepKind, steps: int) -> None:
+        self.prepare_steps(state, kind, steps)
+        self._runners[(id(state), kind, steps)]()
 
-        buffers.ids.copy_(result.ids)
-        buffers.confidence.copy_(result.confidence)
-        buffers.commit.copy_(result.commit)
-        buffers.committed.copy_(result.committed)
-        if buffers.kv is not None:
-            buffers.kv.copy_(out.kv)
-        if buffers.z is not None:
-            buffers.z.copy_(out.residual.z)
-            buffers.certainty.copy_(out.residual.certainty)
-        return buffers
+    # -- building a runner per mode -------------------------------------------------------------------
+    @torch.no_grad()
+    def _build(self, state: DeviceState, kind: StepKind, steps: int):
+        if self.mode == "eager":
+            graph = self._graph(state, kind, self.model)
+            return lambda: self._steps(state, kind, steps, graph)
+        if self.mode == "compile":
+            return self._compile(state, kind, steps)
+        return self._capture(state, kind, steps)
+
+    def _compile(self, state: DeviceState, kind: StepKind, steps: int):
+        if self._compiled is None:
+            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(_inductor_cache()))
+            self._compile_model = onednn.prepack_linears(self.model) if onednn.available(self.model) else self.model
+            self._compiled = torch.compile(self._steps, fullgraph=True, dynamic=False)
+        graph = self._graph(state, kind, self._compile_model)
+        saved = {name: tensor.clone() for name, tensor in state.tensors().items()}
+        with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT,
+                                        accumulated_recompile_limit=_RECOMPILE_LIMIT):
+            self._compiled(state, kind, steps, graph)  # compiles; the state is restored below
+        _restore(state, saved)
+        return lambda: self._compiled(state, kind, steps, graph)
+
+    def _capture(self, state: DeviceState, kind: StepKind, steps: int):
+        graph = self._graph(state, kind, self.model)
+        saved = {name: tensor.clone() for name, tensor in state.tensors().items()}
+        side = torch.cuda.Stream(device=self.spec.device)
+        side.wait_stream(torch.cuda.current_stream(self.spec.device))
+        with torch.cuda.stream(side):  # warm-up: lazy initialization stays out of the graph
+            self._steps(state, kind, steps, graph)
+        torch.cuda.current_stream(self.spec.device).wait_stream(side)
+        _restore(state, saved)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        cuda_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(cuda_graph, pool=self._pool):
+            self._steps(state, kind, steps, graph)
+        return cuda_graph.replay
+
+
+_VERB = {"compile": "compile", "cudagraph": "capture", "eager": "run"}
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0][:300] if text else "no message"
+
+
+def _restore(state: DeviceState, saved: dict[str, Tensor]) -> None:
+    """Undo what a warm-up or compile run did to the state."""
+    for name, tensor in saved.items():
+        getattr(state, name).copy_(tensor)
+
+
+def _inductor_cache():
+    from dlmrt.home import home
+
+    return home() / "inductor"

@@ -5,7 +5,21 @@ from __future__ import annotations
 import pytest
 
 from dlmrt.export import checkpoint
-from helpers import LLADA, LLADA2, random_model
+from helpers import LLADA, LLADA2, Loop, random_model
+
+STEPS_PER_SYNC = (1, 4, "block")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--loop-modes", default="eager",
+                     help="TorchBackend modes the step-loop parity tests run under, comma-separated: eager, "
+                          "compile, cudagraph (each with K = 1, 4 and a whole block) [default: eager]")
+
+
+def pytest_generate_tests(metafunc):
+    if "loop" in metafunc.fixturenames:
+        modes = [m.strip() for m in metafunc.config.getoption("--loop-modes").split(",") if m.strip()]
+        metafunc.parametrize("loop", [Loop(mode, k) for mode in modes for k in STEPS_PER_SYNC], ids=str)
 
 
 @pytest.fixture(params=["llada", "llada2_moe"])

@@ -4,12 +4,14 @@ kernel cases in the interpreter; fresh copies of modules."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib
 import importlib.util
 import os
 import subprocess
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -63,6 +65,60 @@ def random_model(raw: dict, seed: int = 0, scale: float = 0.15):
                 tensor.copy_(scale * noise)
     model.tokenizer = tasks.build_tokenizer()
     return model
+
+
+@dataclass(frozen=True)
+class Loop:
+    """How the step loop runs in a parity test: a TorchBackend mode and K, the steps per host read
+    (an int, or "block" for a whole block)."""
+
+    mode: str
+    steps_per_sync: int | str
+
+    def __str__(self) -> str:
+        return f"{self.mode}-K{self.steps_per_sync}"
+
+    def backend(self, model, **options):
+        from dlmrt.runtime.torch_backend import TorchBackend
+
+        if self.mode == "cudagraph":
+            model = _on_cuda(model)
+        return TorchBackend(model, mode=self.mode, **options)
+
+    def settings(self, settings):
+        k = settings.block_length if self.steps_per_sync == "block" else self.steps_per_sync
+        return dataclasses.replace(settings, steps_per_sync=k)
+
+    def generator(self, model, **options):
+        from dlmrt.runtime import Generator
+
+        return _LoopGenerator(Generator(self.backend(model, **options)), self)
+
+    def run(self, model, prompts, settings, **kwargs):
+        return self.generator(model).generate(prompts, settings, **kwargs)
+
+
+class _LoopGenerator:
+    """A Generator whose settings get the loop's K."""
+
+    def __init__(self, generator, loop: Loop):
+        self.inner, self.loop = generator, loop
+        self.backend = generator.backend
+
+    def generate(self, prompts, settings, **kwargs):
+        return self.inner.generate(prompts, self.loop.settings(settings), **kwargs)
+
+    def stream(self, prompts, settings, **kwargs):
+        return self.inner.stream(prompts, self.loop.settings(settings), **kwargs)
+
+
+_CUDA_COPIES: dict[int, object] = {}
+
+
+def _on_cuda(model):
+    if id(model) not in _CUDA_COPIES:
+        _CUDA_COPIES[id(model)] = copy.deepcopy(model).to("cuda")
+    return _CUDA_COPIES[id(model)]
 
 
 def fresh_module(name: str):

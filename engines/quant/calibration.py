@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from dlmrt.errors import DlmrtError
-from dlmrt.runtime.backend import Backend, StepInputs, StepOutputs, StepShapes
+from dlmrt.runtime.backend import Backend
 from dlmrt.runtime.settings import GenerationSettings
 
 DEFAULT_GEN_LENGTH = 64
@@ -81,26 +81,24 @@ def suite_prompts(count: int, seed: int = 0) -> list[str]:
 
 
 class _Recorder(Backend):
-    """An OrtBackend that keeps a copy of the feeds of each step that runs `graph`."""
+    """An OrtBackend that keeps a copy of the inputs of each step that runs `graph`."""
 
     def __init__(self, backend, graph: str, count: int):
+        super().__init__(backend.spec, backend.ladder)
         self.backend, self.graph, self.count = backend, graph, count
-        self.spec = backend.spec
         self.feeds: list[dict[str, np.ndarray]] = []
 
     @property
     def full(self) -> bool:
         return len(self.feeds) >= self.count
 
-    def prepare(self, shapes: StepShapes) -> None:
-        self.backend.prepare(shapes)
-
-    def step(self, inputs: StepInputs) -> StepOutputs:
-        graph, feeds = self.backend.feeds(inputs)
-        if graph == self.graph and not self.full:
-            # Copies: the loop updates the canvas and the step counters in place.
-            self.feeds.append({name: tensor.contiguous().numpy().copy() for name, tensor in feeds.items()})
-        return self.backend.step(inputs)
+    def run(self, state, kind, steps: int) -> None:
+        for _ in range(steps):
+            graph, feeds = self.backend.feeds(state, kind)
+            if graph == self.graph and not self.full:
+                # Copies: the loop updates the state in place.
+                self.feeds.append({name: tensor.numpy().copy() for name, tensor in feeds.items()})
+            self.backend.run(state, kind, 1)
 
 
 def default_settings(generation_config: dict, default_block_length: int | None, max_length: int,
@@ -150,7 +148,7 @@ def calibration_feeds(export_dir: str | Path, graph: str = "full", prompts: str 
                                f"pick one of those, or re-export with `dlmrt export --guidance` for the guided "
                                f"graphs")
     model = ExportedModel.load(export_dir)
-    batch_size = min(batch_size, backend.spec.max_batch or batch_size)
+    batch_size = min(batch_size, backend.ladder.max_batch)
     if prompts is None:
         prompts = suite_prompts(count * batch_size, seed)
     elif isinstance(prompts, (str, Path)):

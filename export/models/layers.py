@@ -12,6 +12,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 
+def in_fixed_shape_graph() -> bool:
+    """Whether the code is being traced or captured into a graph of fixed shapes (ONNX export,
+    torch.compile, CUDA graph capture), where data-dependent shapes and host reads are not allowed."""
+    if torch.compiler.is_exporting() or torch.compiler.is_compiling():
+        return True
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from dlmrt.export.models import config as config_parsing
 from dlmrt.export.models.denoiser import Denoiser, SpecialTokens
-from dlmrt.export.models.layers import RMSNorm, SwiGLU, apply_rotary, attend, with_past
+from dlmrt.export.models.layers import RMSNorm, SwiGLU, apply_rotary, attend, in_fixed_shape_graph, with_past
 from dlmrt.export.models.residual import ResidualConfig, build_adapter
 
 
@@ -173,7 +173,7 @@ class MoE(nn.Module):
         flat = x.reshape(-1, x.shape[-1])
         experts, weights = self.gate(flat)
         routed = torch.zeros(flat.shape, dtype=torch.float32, device=flat.device)
-        if torch.compiler.is_exporting():
+        if in_fixed_shape_graph():
             # A graph cannot pick experts by data: every expert runs on every token, weighted by a
             # routing matrix that is zero where the token did not choose it. Experts are added in
             # the same order as below, and adding zeros changes nothing, so the sums are the same.

@@ -87,12 +87,20 @@ def uniform(seed: Tensor, step: Tensor, positions: Tensor, index: Tensor) -> Ten
     return (h.to(torch.float64) + 0.5) / 2.0**32
 
 
+def _without_token(scores: Tensor, token: int, value: float) -> Tensor:
+    """A copy of `scores [..., V]` with vocabulary entry `token` set to `value`. Built from device ops
+    only (no tensor made on the host), so that a CUDA graph can capture it."""
+    scores = scores.clone()
+    scores[..., token] = value
+    return scores
+
+
 def candidates(logits: Tensor, params: UnmaskParams, positions: Tensor, mask_id: int,
                sampling: bool | None = None) -> Tensor:
     """x0 `[B, W]`: the argmax, or a Gumbel-max sample for rows with temperature > 0. The mask token
     is never a candidate: committing it would leave the position masked. `sampling=False` promises
     that every temperature is 0 (skipping the noise without reading the temperatures back)."""
-    logits = logits.index_fill(-1, torch.tensor([mask_id], device=logits.device), float("-inf"))
+    logits = _without_token(logits, mask_id, float("-inf"))
     temperature = params.temperature
     if sampling is None:
         sampling = bool((temperature > 0).any())
@@ -117,7 +125,7 @@ def confidence_of(logits: Tensor, x0: Tensor, measure: str | Tensor, params: Unm
                                   per_row)
         return per_row
     if measure == "random":
-        salt = torch.tensor(_RANDOM_CONFIDENCE_SALT, device=logits.device)
+        salt = torch.full((), _RANDOM_CONFIDENCE_SALT, dtype=torch.long, device=logits.device)
         u = uniform(params.seed, params.step, positions, salt)
         # 23 bits, so that the float32 value is exact and stays below 1
         return ((torch.floor(u * 2.0**23) + 0.5) / 2.0**23).to(torch.float32)
@@ -126,7 +134,7 @@ def confidence_of(logits: Tensor, x0: Tensor, measure: str | Tensor, params: Unm
     if measure == "prob":
         return p.gather(-1, x0[..., None]).squeeze(-1)
     if measure == "margin":  # between the two most likely tokens that could be committed
-        top = p.index_fill(-1, torch.tensor([mask_id], device=p.device), 0.0).topk(2, dim=-1).values
+        top = _without_token(p, mask_id, 0.0).topk(2, dim=-1).values
         return top[..., 0] - top[..., 1]
     if measure == "entropy":
         entropy = -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1)

@@ -1,0 +1,242 @@
+"""A request's whole decoding state, in static buffers owned per shape bucket.
+
+A bucket is a batch size and a canvas length (whole blocks) for one block length; every buffer of
+its `DeviceState` is allocated once, and its address never changes, so a graph compiled or captured
+on a bucket stays valid for every request that runs in it. Buckets form a ladder (`BucketLadder`):
+batches of 1, 2, 4, 8, ... rows up to the largest, canvases of whole blocks. A request is padded up
+to its bucket, and padding is inert:
+
+- padded rows hold pad tokens, visible to themselves only and never masked, so they never commit and
+  never touch a real row (rows are independent in every op of the step);
+- padded canvas positions are extra left padding (key mask False), which no real position attends to
+  and which counts no position (positions count each row's real tokens).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+
+import torch
+from torch import Tensor
+
+from dlmrt.errors import ArgumentError
+from dlmrt.runtime.backend import ModelSpec
+from dlmrt.runtime.layout import Layout
+
+
+@dataclass(frozen=True)
+class Bucket:
+    batch: int  # rows, padded rows included
+    canvas: int  # canvas positions, padding included
+    block: int  # block length
+    guided: bool  # classifier-free guidance: the model runs 2 * batch rows
+    cached: bool  # the state holds K/V storage (cache prefix or dual)
+
+    @property
+    def model_rows(self) -> int:
+        return self.batch * (2 if self.guided else 1)
+
+
+@dataclass(frozen=True)
+class BucketLadder:
+    """Which buckets a backend runs: the batch sizes, and the canvas lengths up to a limit.
+
+    batch_sizes: the batch buckets (default: 1, 2, 4, ... up to `max_batch`).
+    canvas_lengths: the canvas buckets (default: every whole number of blocks up to `max_canvas`);
+    a request takes the smallest that is a whole number of its blocks and holds its canvas.
+    """
+
+    max_batch: int
+    max_canvas: int
+    batch_sizes: tuple[int, ...] | None = None
+    canvas_lengths: tuple[int, ...] | None = None
+    hint: str = ""  # how to raise the limits, for error messages
+
+    def __post_init__(self):
+        if self.max_batch <= 0 or self.max_canvas <= 0:
+            raise ArgumentError(f"the largest bucket must be positive, got batch {self.max_batch} and canvas "
+                                f"{self.max_canvas}")
+        for name in ("batch_sizes", "canvas_lengths"):
+            sizes = getattr(self, name)
+            if sizes is not None and (not sizes or min(sizes) <= 0):
+                raise ArgumentError(f"{name.replace('_', ' ')} must be positive sizes, got {list(sizes)}")
+
+    def batches(self) -> list[int]:
+        if self.batch_sizes is not None:
+            return sorted(set(self.batch_sizes))
+        sizes, size = [], 1
+        while size < self.max_batch:
+            sizes.append(size)
+            size *= 2
+        return [*sizes, self.max_batch]
+
+    def batch_for(self, rows: int) -> int:
+        fitting = [size for size in self.batches() if size >= rows]
+        if not fitting:
+            largest = self.batches()[-1]
+            raise ArgumentError(f"{rows} prompts exceed the batch limit of {largest}: {self.hint or 'split the batch'}")
+        return fitting[0]
+
+    def canvas_for(self, length: int, block: int) -> int:
+        """The canvas bucket of a canvas of `length` positions (a whole number of blocks, or the length
+        itself when no bucket holds it)."""
+        if self.canvas_lengths is None:
+            candidates = [-(-length // block) * block]
+        else:
+            candidates = sorted(c for c in self.canvas_lengths if c >= length and c % block == 0)
+        fitting = [c for c in candidates if c <= self.max_canvas]
+        return fitting[0] if fitting else length
+
+
+@dataclass
+class WindowBuffers:
+    """The inputs of one window length, gathered from the state before each step that uses it (a
+    window that is the whole canvas reads the state itself)."""
+
+    index: Tensor  # [W] canvas index of each window position
+    ids: Tensor  # [B, W]
+    positions: Tensor  # [B, W]
+    key_mask: Tensor  # [B, W]
+    z: Tensor | None  # [B', W, H]
+    certainty: Tensor | None  # [B', W]
+
+
+@dataclass
+class DeviceState:
+    """The static buffers of one bucket (shapes: B rows, B' model rows, L canvas positions)."""
+
+    bucket: Bucket
+    mask_id: int
+    pad_id: int
+    canvas: Tensor  # [B, L] int64: pads, prompts, committed tokens and masks
+    positions: Tensor  # [B, L] int64
+    key_mask: Tensor  # [B, L] bool: False on padding
+    prompt_lengths: Tensor  # [B] int64 (guidance masks each row's prompt)
+    # per-row policy parameters (UnmaskParams, plus the confidence measure's code)
+    count: Tensor  # [B] int64: this step's minimum commits, read from the schedule
+    threshold: Tensor  # [B] float32
+    factor: Tensor  # [B] float32
+    temperature: Tensor  # [B] float32
+    seed: Tensor  # [B] int64
+    step: Tensor  # [B] int64: steps that did work for the row (its random stream)
+    measure: Tensor  # [B] int64
+    schedule: Tensor  # [B, block] int64: the current block's minimum commits at each of its steps
+    block_start: Tensor  # [] int64: canvas index of the current block
+    block_step: Tensor  # [B] int64: steps taken in the current block
+    cfg_scale: Tensor  # [1] float32
+    # [B + 1] int64: masked positions left in each row's block, then the forwards that did work
+    status: Tensor
+    block_index: Tensor  # [block] int64 scratch: the block's indices inside the step's window
+    z: Tensor | None = None  # [B', L, H] ORL residual
+    certainty: Tensor | None = None  # [B', L]
+    kv: Tensor | None = None  # [layers, 2, B', kv heads, L, head dim]
+    cache_valid: Tensor | None = None  # [L] bool: the cache positions that hold K/V
+    past_key_mask: Tensor | None = None  # [B, L] bool scratch: the cache positions a step attends to
+    windows: dict[int, WindowBuffers] = field(default_factory=dict)
+
+    @classmethod
+    def allocate(cls, spec: ModelSpec, bucket: Bucket) -> DeviceState:
+        rows, length, device = bucket.batch, bucket.canvas, spec.device
+        long = dict(dtype=torch.long, device=device)
+        real = dict(dtype=torch.float32, device=device)
+        state = cls(
+            bucket=bucket, mask_id=spec.mask_id, pad_id=spec.pad_id, canvas=torch.zeros(rows, length, **long),
+            positions=torch.zeros(rows, length, **long),
+            key_mask=torch.zeros(rows, length, dtype=torch.bool, device=device),
+            prompt_lengths=torch.zeros(rows, **long), count=torch.zeros(rows, **long),
+            threshold=torch.zeros(rows, **real), factor=torch.zeros(rows, **real),
+            temperature=torch.zeros(rows, **real), seed=torch.zeros(rows, **long), step=torch.zeros(rows, **long),
+            measure=torch.zeros(rows, **long), schedule=torch.zeros(rows, bucket.block, **long),
+            block_start=torch.zeros((), **long), block_step=torch.zeros(rows, **long),
+            cfg_scale=torch.zeros(1, **real), status=torch.zeros(rows + 1, **long),
+            block_index=torch.zeros(bucket.block, **long))
+        model_rows = bucket.model_rows
+        if spec.has_residual:
+            state.z = torch.zeros(model_rows, length, spec.hidden_size, dtype=spec.dtype, device=device)
+            state.certainty = torch.zeros(model_rows, length, dtype=spec.dtype, device=device)
+        if bucket.cached:
+            state.kv = torch.zeros(spec.num_layers, 2, model_rows, spec.num_kv_heads, length, spec.head_dim,
+                                   dtype=spec.dtype, device=device)
+            state.cache_valid = torch.zeros(length, dtype=torch.bool, device=device)
+            state.past_key_mask = torch.zeros(rows, length, dtype=torch.bool, device=device)
+        return state
+
+    def window(self, length: int) -> WindowBuffers:
+        """The gather buffers of a window of `length` positions (allocated on first use)."""
+        if length not in self.windows:
+            rows, model_rows, device = self.bucket.batch, self.bucket.model_rows, self.canvas.device
+            z = certainty = None
+            if self.z is not None:
+                z = self.z.new_zeros(model_rows, length, self.z.shape[-1])
+                certainty = self.certainty.new_zeros(model_rows, length)
+            self.windows[length] = WindowBuffers(
+                index=torch.zeros(length, dtype=torch.long, device=device),
+                ids=self.canvas.new_zeros(rows, length), positions=self.positions.new_zeros(rows, length),
+                key_mask=self.key_mask.new_zeros(rows, length), z=z, certainty=certainty)
+        return self.windows[length]
+
+    def tensors(self) -> dict[str, Tensor]:
+        """Every buffer by name but the window buffers (scratch, refilled before each step)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if isinstance(getattr(self, f.name), Tensor)}
+
+    # -- requests in and out --------------------------------------------------------------------
+    def load(self, layout: Layout, params: dict[str, Tensor], cfg_scale: float) -> None:
+        """Copy a request into the bucket: rows beyond the request's become inert padding rows."""
+        rows, length = layout.ids.shape
+        if rows > self.bucket.batch or length != self.bucket.canvas:
+            raise ValueError(f"a layout of {rows} x {length} does not fit the bucket {self.bucket}")
+        for name, value in (("canvas", layout.ids), ("key_mask", layout.key_mask), ("positions", layout.positions),
+                            ("prompt_lengths", layout.prompt_lengths), *params.items()):
+            getattr(self, name)[:rows].copy_(value)
+        for name in ("step", "block_step", "status"):
+            getattr(self, name)[:rows].zero_()
+        for name in ("z", "certainty", "kv"):
+            for half in self._model_halves(name):
+                half.narrow(0, 0, rows).zero_()
+        self._pad(rows)
+        self.status[-1].zero_()
+        self.cfg_scale.fill_(cfg_scale)
+        if self.cache_valid is not None:
+            self.cache_valid.zero_()
+
+    def take_rows(self, source: DeviceState, rows: Sequence[int]) -> None:
+        """Fill this bucket with `rows` of `source` (a bucket of the same canvas), in that order."""
+        index = torch.tensor(list(rows), dtype=torch.long, device=self.canvas.device)
+        count = len(rows)
+        for name in _ROW_BUFFERS:
+            getattr(self, name)[:count].copy_(getattr(source, name).index_select(0, index))
+        self.status[:count].copy_(source.status.index_select(0, index))
+        for name in ("z", "certainty", "kv"):
+            for target, origin in zip(self._model_halves(name), source._model_halves(name)):
+                target.narrow(0, 0, count).copy_(origin.index_select(0, index))
+        self._pad(count)
+        for name in ("block_start", "cfg_scale", "cache_valid"):
+            if getattr(self, name) is not None:
+                getattr(self, name).copy_(getattr(source, name))
+        self.status[-1].copy_(source.status[-1])
+
+    def _pad(self, start: int) -> None:
+        """Make rows [start, batch) inert: pad tokens that see only themselves, and no mask to commit."""
+        self.canvas[start:].fill_(self.pad_id)
+        self.key_mask[start:].fill_(True)
+        self.positions[start:].copy_(torch.arange(self.bucket.canvas, device=self.canvas.device))
+        for name in (*_ROW_BUFFERS[3:], "status"):
+            getattr(self, name)[start:self.bucket.batch].zero_()
+        for name in ("z", "certainty", "kv"):
+            for half in self._model_halves(name):
+                half.narrow(0, start, self.bucket.batch - start).zero_()
+
+    def _model_halves(self, name: str) -> list[Tensor]:
+        """A model-row buffer as views with rows first: one per half (conditional, unconditional)."""
+        tensor = getattr(self, name)
+        if tensor is None:
+            return []
+        rows_first = tensor.transpose(0, 2) if name == "kv" else tensor
+        return list(rows_first.split(self.bucket.batch)) if self.bucket.guided else [rows_first]
+
+
+# Buffers with one entry per row on their first axis, the layout's first.
+_ROW_BUFFERS = ("canvas", "key_mask", "positions", "prompt_lengths", "count", "threshold", "factor", "temperature",
+                "seed", "step", "measure", "schedule", "block_step")

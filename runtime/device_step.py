@@ -1,0 +1,198 @@
+"""The step on the device: a pure, in-place function of a bucket's static buffers.
+
+    step(state, kind, graph)   gather the window from the state, run the step graph on it, write back
+
+`graph` runs the step graph of `dlmrt.export.step_graph` (the same module in torch; an ONNX Runtime
+session or a TensorRT engine bound to the same buffers). Nothing here reads a device value on the
+host or depends on one in Python, so K steps run back to back, compile into one graph with
+`torch.compile(fullgraph=True)` and capture into one CUDA graph; the host reads `state.status` once
+per K steps.
+
+A step only does work for a row whose block still has masked positions (an active row). For the
+others it is a no-op: nothing is committed, and neither the row's random stream (`step`) nor its
+ORL residual moves, so running more steps than a block needs changes no token.
+
+Which window a step covers depends on the cache mode (`kinds_for_block`):
+
+- cache none: the whole canvas; for block-causal models [0, block end).
+- prefix, bidirectional: first the whole canvas, written to the cache; then [block start, canvas
+  end) over the cache.
+- prefix, block-causal (the exact block cache): first the block before and this one (a request's
+  first block: [0, block end)), writing what precedes the block; then the block over the cache.
+- dual (bidirectional only): first the whole canvas, written to the cache; then the block over it.
+
+A step over the cache attends to the whole storage, masked to the positions that hold K/V and lie
+outside its window (the window brings its own), so its shapes never change from block to block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from dlmrt.export.step_graph import POLICY_INPUTS, graph_name
+from dlmrt.runtime.device_state import DeviceState
+
+
+@dataclass(frozen=True)
+class StepKind:
+    """What one kind of step reads and writes. Each kind is one graph per bucket."""
+
+    window: int  # window length
+    start: int | None  # the window's fixed canvas start, or None: it starts `before` positions before the block
+    before: int = 0
+    cached: bool = False  # over the K/V cache
+    writes: int = 0  # the leading window positions whose K/V the step writes into the cache
+    sampling: bool = False  # some row samples (temperature > 0)
+    confidence: str | None = None  # the measure every row uses (None: each row's `measure`)
+
+    def graph(self, guided: bool) -> str:
+        return graph_name(cached=self.cached, guided=guided)
+
+    def whole_canvas(self, canvas: int) -> bool:
+        return self.start == 0 and self.window == canvas
+
+
+class GraphOutputs(NamedTuple):
+    """What `apply` reads of a step graph's outputs (the rest are not needed)."""
+
+    ids: Tensor  # [B, block]
+    kv: Tensor | None  # [layers, 2, B', kv heads, W, head dim], on steps that write the cache
+    z: Tensor | None  # [B', W, H]
+    certainty: Tensor | None
+
+
+def kinds_for_block(cache: str, block_causal: bool, canvas: int, block_start: int, block: int, first_block: bool,
+                    *, sampling: bool = False, confidence: str | None = None) -> tuple[StepKind, StepKind]:
+    """The kinds of a block's first step and of its later steps."""
+    def kind(window, start, **extra):
+        return StepKind(window, start, sampling=sampling, confidence=confidence, **extra)
+
+    end = block_start + block
+    if cache == "none":
+        every = kind(end if block_causal else canvas, 0)
+        return every, every
+    if block_causal:  # the exact block cache: a finished block's K/V is written once, in the next block's first step
+        later = kind(block, None, cached=True)
+        if first_block:
+            return kind(end, 0, writes=block_start), later
+        return kind(2 * block, None, before=block, cached=True, writes=block), later
+    refresh = kind(canvas, 0, writes=canvas)
+    if cache == "prefix":
+        return refresh, kind(canvas - block_start, block_start, cached=True)
+    return refresh, kind(block, None, cached=True)
+
+
+def allocate(state: DeviceState, kind: StepKind) -> None:
+    """Allocate the window buffers `kind` needs (before a step of it is compiled or captured)."""
+    if not kind.whole_canvas(state.bucket.canvas):
+        state.window(kind.window)
+
+
+def graph_inputs(state: DeviceState, kind: StepKind) -> dict[str, Tensor]:
+    """The step graph's inputs by name: buffers of the state (or its window buffers for `kind`), the
+    same tensors at every step, which `gather` refills."""
+    bucket = state.bucket
+    if kind.whole_canvas(bucket.canvas):
+        ids, positions, key_mask, z, certainty = state.canvas, state.positions, state.key_mask, state.z, state.certainty
+    else:
+        window = state.window(kind.window)
+        ids, positions, key_mask, z, certainty = (window.ids, window.positions, window.key_mask, window.z,
+                                                  window.certainty)
+    inputs = {"ids": ids, "positions": positions, "key_mask": key_mask, "block_index": state.block_index,
+              **{name: getattr(state, name) for name in POLICY_INPUTS}}
+    if kind.cached:
+        inputs.update(past_kv=state.kv, past_positions=state.positions, past_key_mask=state.past_key_mask)
+    if z is not None:
+        inputs.update(z=z, certainty=certainty)
+    if bucket.guided:
+        inputs.update(prompt_lengths=state.prompt_lengths, cfg_scale=state.cfg_scale)
+    return inputs
+
+
+def gather(state: DeviceState, kind: StepKind) -> None:
+    """Refill the inputs `graph_inputs` names for the next step of `kind`: this step's minimum
+    commits from the block's schedule, the window, the block inside it, and the cache positions the
+    window attends to."""
+    device = state.canvas.device
+    torch.gather(state.schedule, 1, state.block_step.clamp(max=state.bucket.block - 1)[:, None],
+                 out=state.count[:, None])
+    block = torch.arange(state.bucket.block, device=device)
+    if kind.whole_canvas(state.bucket.canvas):
+        torch.add(block, state.block_start, out=state.block_index)
+        return
+    window = state.window(kind.window)
+    if kind.start is None:
+        torch.add(torch.arange(kind.window, device=device), state.block_start - kind.before, out=window.index)
+        torch.add(block, kind.before, out=state.block_index)
+    else:
+        torch.add(torch.arange(kind.window, device=device), kind.start, out=window.index)
+        torch.add(block, state.block_start - kind.start, out=state.block_index)
+    torch.index_select(state.canvas, 1, window.index, out=window.ids)
+    torch.index_select(state.positions, 1, window.index, out=window.positions)
+    torch.index_select(state.key_mask, 1, window.index, out=window.key_mask)
+    if state.z is not None:
+        torch.index_select(state.z, 1, window.index, out=window.z)
+        torch.index_select(state.certainty, 1, window.index, out=window.certainty)
+    if kind.cached:
+        canvas_index = torch.arange(state.bucket.canvas, device=device)
+        in_window = (canvas_index >= window.index[0]) & (canvas_index <= window.index[-1])
+        torch.logical_and(state.key_mask, state.cache_valid & ~in_window, out=state.past_key_mask)
+
+
+def apply(state: DeviceState, kind: StepKind, active: Tensor, outputs: GraphOutputs) -> None:
+    """Write a step's results into the state: the block's ids, the window's residual for the rows
+    that were active, the K/V the step writes, and the counters."""
+    bucket = state.bucket
+    block_positions = torch.arange(bucket.block, device=state.canvas.device) + state.block_start
+    state.canvas.index_copy_(1, block_positions, outputs.ids)
+    whole = kind.whole_canvas(bucket.canvas)
+    if state.z is not None:
+        model_active = (active.repeat(2) if bucket.guided else active)[:, None]
+        if whole:
+            state.z.copy_(torch.where(model_active[..., None], outputs.z, state.z))
+            state.certainty.copy_(torch.where(model_active, outputs.certainty, state.certainty))
+        else:
+            window = state.window(kind.window)
+            state.z.index_copy_(1, window.index, torch.where(model_active[..., None], outputs.z, window.z))
+            state.certainty.index_copy_(1, window.index,
+                                        torch.where(model_active, outputs.certainty, window.certainty))
+    if kind.writes:
+        if whole and kind.writes == bucket.canvas:
+            if outputs.kv is not state.kv:  # a backend may write the K/V straight into the storage
+                state.kv.copy_(outputs.kv)
+            state.cache_valid.fill_(True)
+        else:
+            written = state.window(kind.window).index[:kind.writes]
+            state.kv.index_copy_(4, written, outputs.kv[:, :, :, :, :kind.writes])
+            state.cache_valid.index_fill_(0, written, True)
+    state.step.add_(active)
+    state.block_step.add_(1)
+    remaining = (state.canvas.index_select(1, block_positions) == state.mask_id).sum(-1)
+    state.status[:-1].copy_(remaining)
+    state.status[-1:].add_(active.any().long())
+
+
+def step(state: DeviceState, kind: StepKind, run_graph: Callable[[Mapping[str, Tensor]], GraphOutputs]) -> None:
+    """One step of `kind` on `state`, in place; `run_graph` runs the step graph on `graph_inputs`."""
+    active = state.status[:-1] > 0
+    gather(state, kind)
+    apply(state, kind, active, run_graph(graph_inputs(state, kind)))
+
+
+def start_block(state: DeviceState, block_start: int, schedule: Tensor) -> None:
+    """Point the state at the block starting at canvas index `block_start`, with its schedule
+    `[B, steps]` of minimum commits (padded to the block length by committing everything)."""
+    bucket = state.bucket
+    state.block_start.fill_(block_start)
+    state.block_step.zero_()
+    steps = min(schedule.shape[1], bucket.block)
+    state.schedule[:, :steps].copy_(schedule[:, :steps])
+    state.schedule[:, steps:].fill_(bucket.block)
+    block = state.canvas[:, block_start:block_start + bucket.block]
+    state.status[:-1].copy_((block == state.mask_id).sum(-1))
+
