@@ -26,6 +26,7 @@ DTYPE_CHOICES = ("float32", "bfloat16", "float16", "fp32", "bf16", "fp16", "auto
 # Kept here (not imported from dlmrt.runtime) so that `dlmrt --help` does not import torch.
 POLICY_NAMES = ("fixed", "threshold", "factor", "llada2", "residual")
 CACHE_NAMES = ("none", "prefix", "dual")
+MODE_NAMES = ("auto", "eager", "compile", "cudagraph")
 
 
 def parse_ids(value: str) -> list[int]:
@@ -87,6 +88,10 @@ DECODING_OPTIONS = {
     "max_block_steps": click.option(
         "--max-block-steps", type=int, default=None,
         help="Step budget per block; the last step commits what is left."),
+    "steps_per_sync": click.option(
+        "--steps-per-sync", type=int, default=None,
+        help="Steps run on the device between two reads of whether the block is done [default: 1 on a CPU; "
+             "on CUDA, what the tokens per forward so far say the block needs]."),
     "temperature": click.option(
         "--temperature", type=float, default=0.0, show_default=True,
         help="Gumbel-noise temperature; 0 is greedy."),
@@ -112,7 +117,20 @@ def options(*names: str):
 
 
 decoding_options = options(*DECODING_OPTIONS)
-eval_decoding_options = options("gen_length", "block_length", "cache", "temperature", "seed", "dtype")
+eval_decoding_options = options("gen_length", "block_length", "cache", "temperature", "seed", "dtype",
+                                "steps_per_sync")
+
+
+def torch_backend_options(command):
+    """--mode and --max-batch: how the torch backend runs the step loop."""
+    command = click.option(
+        "--max-batch", type=click.IntRange(min=1), default=64, show_default=True,
+        help="torch backend: the largest batch bucket (prompts decoded together).")(command)
+    return click.option(
+        "--mode", type=click.Choice(MODE_NAMES), default="auto", show_default=True,
+        help="torch backend: eager (op by op), compile (torch.compile of the steps; compiled once per "
+             "shape, kept under $DLMRT_HOME), cudagraph (CUDA graphs); auto is cudagraph on CUDA, compile "
+             "on a CPU.")(command)
 
 
 def lengths_from_options(model, gen_length: int | None, block_length: int | None) -> tuple[int, int]:
@@ -128,7 +146,7 @@ def lengths_from_options(model, gen_length: int | None, block_length: int | None
 
 def settings_from_options(model, *, gen_length, block_length, policy, steps, remasking, threshold, factor,
                           confidence, minimal_topk, cache, max_block_steps, temperature, cfg_scale, seed,
-                          ignore_eos=False):
+                          steps_per_sync, ignore_eos=False):
     """GenerationSettings from the decoding options, with defaults from the model."""
     from dlmrt.runtime import GenerationSettings, make_policy
 
@@ -139,7 +157,8 @@ def settings_from_options(model, *, gen_length, block_length, policy, steps, rem
                          confidence=confidence, minimal_topk=minimal_topk)
     return GenerationSettings(gen_length=gen_length, block_length=block_length, policy=chosen,
                               temperature=temperature, cfg_scale=cfg_scale, seed=seed, cache=cache,
-                              ignore_eos=ignore_eos, max_block_steps=max_block_steps)
+                              ignore_eos=ignore_eos, max_block_steps=max_block_steps,
+                              steps_per_sync=steps_per_sync)
 
 
 @main.command()
@@ -152,21 +171,24 @@ def settings_from_options(model, *, gen_length, block_length, policy, steps, rem
 @click.option("--ignore-eos", is_flag=True,
               help="Decode the full length after end-of-sequence, as the research scripts do.")
 @click.option("--backend", type=click.Choice(("torch", "ort", "reference")), default="torch", show_default=True,
-              help="torch: the step loop in eager PyTorch; ort: the exported ONNX step graphs in ONNX Runtime "
+              help="torch: the step loop in PyTorch (see --mode); ort: the exported ONNX step graphs in ONNX Runtime "
                    "(--model is an export directory, or a model directory exported on first use); reference: "
                    "LLaDA's plain loop (fixed policy, no cache), the oracle the others are tested against.")
+@torch_backend_options
 @click.option("--stream", is_flag=True, help="Print committed text block by block as it is decoded.")
 @click.option("--metrics", "show_metrics", is_flag=True, help="Print a metrics table on stderr.")
 @click.option("--json", "as_json", is_flag=True, help="Print outputs and metrics as JSON.")
 @reports_errors
-def generate(model_dir, prompts, prompt_ids, ignore_eos, backend, stream, show_metrics, as_json, dtype,
-             **decoding):
+def generate(model_dir, prompts, prompt_ids, ignore_eos, backend, mode, max_batch, stream, show_metrics, as_json,
+             dtype, **decoding):
     """Generate from prompts with a decoding policy and cache mode."""
     if prompts and prompt_ids:
         raise click.UsageError("give either --prompt or --prompt-ids, not both")
     if not prompts and not prompt_ids:
         raise click.UsageError("give at least one --prompt or --prompt-ids")
     id_prompts = [parse_ids(value) for value in prompt_ids]
+    if backend != "torch" and mode != "auto":
+        raise click.UsageError(f"--mode applies to --backend torch; --backend {backend} runs its own way")
 
     from rich.console import Console
 
@@ -174,6 +196,8 @@ def generate(model_dir, prompts, prompt_ids, ignore_eos, backend, stream, show_m
     from dlmrt.runtime import Generator, reference, text
 
     console = Console(stderr=True)
+    from dlmrt.runtime.torch_backend import TorchBackend
+
     if backend == "ort":
         require_onnx_extra()
         from dlmrt.runtime.ort_backend import ExportedModel, OrtBackend
@@ -185,7 +209,7 @@ def generate(model_dir, prompts, prompt_ids, ignore_eos, backend, stream, show_m
         backend_impl = OrtBackend(export_dir, optimized_model_dir=home() / "ort")  # faster starts after the first
     else:
         model = dlmrt.load(model_dir or TINY_MODEL_DIR, dtype=dtype)
-        backend_impl = model
+        backend_impl = TorchBackend(model, mode=mode, max_batch=max_batch)
     settings = settings_from_options(model, ignore_eos=ignore_eos, **decoding)
     batch = [text.encode(model, p) for p in prompts] if prompts else id_prompts
 
@@ -199,6 +223,8 @@ def generate(model_dir, prompts, prompt_ids, ignore_eos, backend, stream, show_m
     else:
         generator = Generator(backend_impl)
         with step_progress(console) as advance:
+            if isinstance(backend_impl, TorchBackend):
+                backend_impl.on_compile = advance.note
             run = generator.stream(batch, settings, on_step=advance)
             for update in run:
                 if stream:
@@ -283,17 +309,25 @@ def export_command(model_dir, output, opset, dtype, block_length, max_batch, max
 
 
 def step_progress(console, label: str = "denoising: step {task.completed}"):
-    """A transient "denoising step N" display on a terminal; a no-op elsewhere."""
+    """A transient "denoising step N" display on a terminal (a no-op elsewhere). It yields `advance()`;
+    `advance.note(text)` shows `text` instead until the next advance (e.g. while compiling)."""
     from contextlib import contextmanager
 
     from rich.progress import Progress, SpinnerColumn, TextColumn
 
     @contextmanager
     def progress():
-        with Progress(SpinnerColumn(), TextColumn(label), transient=True,
+        with Progress(SpinnerColumn(), TextColumn("{task.description}"), transient=True,
                       console=console, disable=not console.is_terminal) as bar:
-            task = bar.add_task("steps", total=None)
-            yield lambda: bar.advance(task)
+            task = bar.add_task(label.format(task=bar.tasks[0]) if bar.tasks else "", total=None)
+
+            def advance():
+                bar.advance(task)
+                bar.update(task, description=label.format(task=bar.tasks[0]))
+
+            advance.note = lambda text: bar.update(task, description=text)
+            advance.note(label.format(task=bar.tasks[0]))
+            yield advance
     return progress()
 
 
@@ -331,6 +365,8 @@ def print_update(model, update, batch_size, as_json):
                    "factor:factor=2, llada2:threshold=0.9,steps=8. Repeat for a grid [default: fixed at 1, "
                    "1/2 and 1/4 token per step, threshold 0.5-0.99, factor 1, 2, 4].")
 @eval_decoding_options
+@click.option("--mode", type=click.Choice(MODE_NAMES), default="auto", show_default=True,
+              help="How the step loop runs: eager, compile, cudagraph; auto is cudagraph on CUDA, compile on a CPU.")
 @click.option("--batch-size", type=click.IntRange(min=1), default=64, show_default=True,
               help="Examples decoded together.")
 @click.option("--json", "json_path", type=click.Path(path_type=Path, dir_okay=False), default=None,
@@ -339,7 +375,7 @@ def print_update(model, update, batch_size, as_json):
               metavar="PATH.png", help="Also plot exact-match against tokens per forward (needs matplotlib).")
 @reports_errors
 def evaluate(model_dir, data, task_names, per_task, split, data_seed, setting_specs, gen_length, block_length,
-             cache, temperature, seed, dtype, batch_size, json_path, plot_path):
+             cache, temperature, seed, dtype, steps_per_sync, mode, batch_size, json_path, plot_path):
     """Exact-match and speed over a grid of decoding settings: the speed-quality curve."""
     suite_options = {"--tasks": task_names, "--per-task": per_task, "--split": split, "--data-seed": data_seed}
     if data is not None and any(value is not None for value in suite_options.values()):
@@ -365,10 +401,10 @@ def evaluate(model_dir, data, task_names, per_task, split, data_seed, setting_sp
     model = dlmrt.load(model_dir or TINY_MODEL_DIR, dtype=dtype)
     gen_length, block_length = lengths_from_options(model, gen_length, block_length)
     base = GenerationSettings(gen_length=gen_length, block_length=block_length, policy=Fixed(),
-                              temperature=temperature, seed=seed, cache=cache)
+                              temperature=temperature, seed=seed, cache=cache, steps_per_sync=steps_per_sync)
     base.validate()
     grid = grid or evaluation.default_grid(gen_length, block_length)
-    results = run_grid(model, examples, base, grid, batch_size)
+    results = run_grid(model, examples, base, grid, batch_size, mode)
 
     title = f"{model.name}: {len(examples)} examples, gen-length {gen_length}, block-length {block_length}"
     print_table(results_table(results, title))
@@ -394,7 +430,7 @@ def suite_examples(task_names: str | None, per_task: int, split: str, seed: int)
 
 
 def run_grid(model: Denoiser, examples: Sequence[Example], base: GenerationSettings, grid: Sequence[Setting],
-             batch_size: int) -> list[SettingScore]:
+             batch_size: int, mode: str) -> list[SettingScore]:
     """evaluation.evaluate_grid with a progress bar on stderr (on a terminal)."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -409,7 +445,7 @@ def run_grid(model: Denoiser, examples: Sequence[Example], base: GenerationSetti
         def advance(setting: Setting, count: int) -> None:
             bar.update(task, advance=count, description=setting.label)
 
-        return evaluation.evaluate_grid(model, examples, base, grid, batch_size, on_batch=advance)
+        return evaluation.evaluate_grid(model, examples, base, grid, batch_size, on_batch=advance, mode=mode)
 
 
 def print_table(table: Table) -> None:

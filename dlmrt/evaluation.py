@@ -68,23 +68,25 @@ class SettingScore:
 # -- scoring ------------------------------------------------------------------------------------
 
 def exact_match(model: Denoiser, examples: Sequence[Example], settings: GenerationSettings,
-                batch_size: int = 64, on_batch: Callable[[int], None] | None = None) -> EvalScore:
-    """Exact-match per task of `examples` decoded with `settings`, batched `batch_size` rows at a time;
-    every check runs before any compute."""
-    generator, prompts = _prepare(model, examples, batch_size)
+                batch_size: int = 64, on_batch: Callable[[int], None] | None = None, *,
+                mode: str = "auto") -> EvalScore:
+    """Exact-match per task of `examples` decoded with `settings`, batched `batch_size` rows at a time
+    by a TorchBackend in `mode`; every check runs before any compute."""
+    generator, prompts = _prepare(model, examples, batch_size, mode)
     check_request(generator.spec, prompts, settings)
     return _score(generator, model, examples, prompts, settings, batch_size, on_batch)
 
 
 def evaluate_grid(model: Denoiser, examples: Sequence[Example], base: GenerationSettings,
                   grid: Sequence[Setting], batch_size: int = 64,
-                  on_batch: Callable[[Setting, int], None] | None = None) -> list[SettingScore]:
+                  on_batch: Callable[[Setting, int], None] | None = None, *,
+                  mode: str = "auto") -> list[SettingScore]:
     """`exact_match` under each setting's policy (the rest from `base`), in the grid's order. Every
     setting is checked before the first one runs. `on_batch(setting, rows)` follows each batch, and
     comes with 0 rows as a setting starts."""
     if not grid:
         raise ArgumentError("the grid has no setting: give at least one")
-    generator, prompts = _prepare(model, examples, batch_size)
+    generator, prompts = _prepare(model, examples, batch_size, mode)
     runs = [(setting, replace(base, policy=setting.policy)) for setting in grid]
     for setting, settings in runs:
         try:
@@ -105,14 +107,15 @@ def evaluate_grid(model: Denoiser, examples: Sequence[Example], base: Generation
     return results
 
 
-def _prepare(model: Denoiser, examples: Sequence[Example],
-             batch_size: int) -> tuple[Generator, list[list[int]]]:
+def _prepare(model: Denoiser, examples: Sequence[Example], batch_size: int,
+             mode: str) -> tuple[Generator, list[list[int]]]:
     """The Generator and every prompt's token ids, after the checks that do not depend on a setting."""
     if batch_size <= 0:
         raise ArgumentError(f"batch-size must be positive, got {batch_size}")
     if not examples:
         raise ArgumentError("no examples to evaluate")
-    return Generator(model), [text.encode(model, example.prompt) for example in examples]
+    generator = Generator(model, mode=mode, max_batch=batch_size)
+    return generator, [text.encode(model, example.prompt) for example in examples]
 
 
 def _score(generator: Generator, model: Denoiser, examples: Sequence[Example], prompts: list[list[int]],

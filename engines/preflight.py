@@ -197,7 +197,8 @@ def _quantization(plan: BuildPlan, model: onnx.ModelProto, quantized: bool):
         if node.op_type == "QuantizeLinear":
             if len(node.input) < 2 or node.input[1] not in names:
                 yield where, "its scale is not a constant (TensorRT needs constant Q/DQ scales)"
-            if len(node.input) > 2 and node.input[2] in constants and np.any(constants[node.input[2]].astype(np.float32)):
+            zero_point = node.input[2] if len(node.input) > 2 else None
+            if zero_point in constants and np.any(constants[zero_point].astype(np.float32)):
                 yield where, "its zero point is not zero (TensorRT supports symmetric quantization only)"
             if len(node.input) > 2 and types.get(node.input[2]) is not None:
                 quantized_types.add(types[node.input[2]])

@@ -16,7 +16,9 @@ the op's torch reference rather than the opaque custom op, so that torch.compile
 three static options drop work a step does not need: `return_kv=False` (a step that writes no cache;
 its `kv` output is None), `sampling=False` (every temperature is 0: no noise is drawn, and no host
 read asks) and `confidence` (every row uses this measure, so the others are not computed). Exports
-always return the K/V and take every temperature and measure as inputs.
+always return the K/V and take every temperature and measure as inputs. `unmask="triton"` runs the
+op's Triton kernels instead of its torch reference (same semantics; CUDA tensors, or CPU tensors
+under TRITON_INTERPRET=1).
 
 With classifier-free guidance (`full_guided`, `cached_guided`) the graph also takes each row's
 prompt length and the scale, runs the prompt-masked copy of every row beside it (the model's K/V,
@@ -29,6 +31,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from dlmrt.errors import ArgumentError
 from dlmrt.export.models import Denoiser
 from dlmrt.export.models.denoiser import PastKV
 from dlmrt.export.models.residual import Residual
@@ -36,6 +39,7 @@ from dlmrt.plugins.parallel_unmask import UnmaskParams, parallel_unmask
 from dlmrt.plugins.parallel_unmask import torch_op  # noqa: F401  (registers torch.ops.dlmrt.parallel_unmask)
 
 GRAPHS = ("full", "cached")
+UNMASK_KERNELS = ("torch", "triton")
 GUIDED_GRAPHS = ("full_guided", "cached_guided")
 POLICY_INPUTS = ("count", "threshold", "factor", "temperature", "seed", "step", "measure")
 
@@ -61,12 +65,19 @@ def output_names(residual: bool) -> list[str]:
 
 class StepGraph(nn.Module):
     def __init__(self, model: Denoiser, graph: str, grid: int | None, *, return_kv: bool = True,
-                 sampling: bool | None = None, confidence: str | None = None):
+                 sampling: bool | None = None, confidence: str | None = None, unmask: str = "torch"):
         super().__init__()
         self.model, self.grid = model, grid
         self.cached, self.guided = graph.startswith("cached"), graph.endswith("_guided")
         self.residual = model.residual_config is not None
         self.return_kv, self.sampling, self.confidence = return_kv, sampling, confidence
+        if unmask not in UNMASK_KERNELS:
+            raise ArgumentError(f"unmask must be one of {', '.join(UNMASK_KERNELS)}, got {unmask!r}")
+        self.triton_kernels = None
+        if unmask == "triton":
+            from dlmrt.plugins.parallel_unmask import triton_kernels
+
+            self.triton_kernels = triton_kernels
 
     def forward(self, ids: Tensor, positions: Tensor, key_mask: Tensor, block_index: Tensor, count: Tensor,
                 threshold: Tensor, factor: Tensor, temperature: Tensor, seed: Tensor, step: Tensor,
@@ -96,6 +107,9 @@ class StepGraph(nn.Module):
         if exporting:
             unmasked = torch.ops.dlmrt.parallel_unmask(logits, block_ids, block_positions, count, threshold, factor,
                                                        temperature, seed, step, measure, mask_id)
+        elif self.triton_kernels is not None:
+            params = UnmaskParams(count, threshold, factor, temperature, seed, step)
+            unmasked = self.triton_kernels.parallel_unmask(logits, block_ids, block_positions, params, mask_id, measure)
         else:
             params = UnmaskParams(count, threshold, factor, temperature, seed, step)
             unmasked = parallel_unmask(logits, block_ids, block_positions, params, mask_id=mask_id,

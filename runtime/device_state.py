@@ -51,7 +51,8 @@ class BucketLadder:
     max_canvas: int
     batch_sizes: tuple[int, ...] | None = None
     canvas_lengths: tuple[int, ...] | None = None
-    hint: str = ""  # how to raise the limits, for error messages
+    batch_hint: str = ""  # how to raise each limit, for error messages
+    canvas_hint: str = ""
 
     def __post_init__(self):
         if self.max_batch <= 0 or self.max_canvas <= 0:
@@ -75,12 +76,16 @@ class BucketLadder:
         fitting = [size for size in self.batches() if size >= rows]
         if not fitting:
             largest = self.batches()[-1]
-            raise ArgumentError(f"{rows} prompts exceed the batch limit of {largest}: {self.hint or 'split the batch'}")
+            raise ArgumentError(f"{rows} prompts exceed the batch limit of {largest}: "
+                                f"{self.batch_hint or 'split the batch'}")
         return fitting[0]
 
     def canvas_for(self, length: int, block: int) -> int:
         """The canvas bucket of a canvas of `length` positions (a whole number of blocks, or the length
         itself when no bucket holds it)."""
+        if length > self.max_canvas:
+            raise ArgumentError(f"the batch needs a canvas of {length} positions, more than the largest of "
+                                f"{self.max_canvas}: {self.canvas_hint or 'shorten the prompts or gen-length'}")
         if self.canvas_lengths is None:
             candidates = [-(-length // block) * block]
         else:

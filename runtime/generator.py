@@ -30,6 +30,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from dlmrt.errors import ArgumentError
 from dlmrt.plugins.parallel_unmask import MEASURE_CODES
 from dlmrt.runtime import device_step
 from dlmrt.runtime import layout as layouts
@@ -69,13 +70,18 @@ class GenerationResult:
 
 
 class Generator:
-    def __init__(self, model_or_backend):
+    def __init__(self, model_or_backend, **backend_options):
+        """A Generator over a backend, or over a denoiser with `TorchBackend(model, **backend_options)`
+        (e.g. `mode="eager"`)."""
         if isinstance(model_or_backend, Backend):
+            if backend_options:
+                raise ArgumentError(f"backend options ({', '.join(backend_options)}) apply to a model, not to "
+                                    f"a backend that is already built")
             self.backend = model_or_backend
         else:
             from dlmrt.runtime.torch_backend import TorchBackend
 
-            self.backend = TorchBackend(model_or_backend)
+            self.backend = TorchBackend(model_or_backend, **backend_options)
         self.spec = self.backend.spec
 
     def generate(self, prompts: Sequence[Sequence[int]], settings: GenerationSettings, *,

@@ -135,7 +135,8 @@ class OrtBackend(Backend):
         self.manifest = load_manifest(self.export_dir)
         spec = spec_from_manifest(self.manifest, self.export_dir)
         limits = self.manifest["limits"]
-        super().__init__(spec, BucketLadder(limits["max_batch"], limits["max_length"], hint=spec.limits_hint))
+        super().__init__(spec, BucketLadder(limits["max_batch"], limits["max_length"], batch_hint=spec.limits_hint,
+                                            canvas_hint=spec.limits_hint))
         if optimization not in OPTIMIZATION_LEVELS:
             raise ArgumentError(f"optimization must be one of {', '.join(OPTIMIZATION_LEVELS)}, got {optimization!r}")
         available = ort.get_available_providers()

@@ -1,16 +1,18 @@
 """TorchBackend: the step graph in PyTorch, run eagerly, compiled, or captured into CUDA graphs.
 
-    TorchBackend(model)                   # mode "auto": cudagraph on CUDA, eager on a CPU
+    TorchBackend(model)                   # mode "auto": cudagraph on CUDA, compile on a CPU
     TorchBackend(model, mode="eager")     # today's loop: op by op
 
 Every mode runs the same function, K steps of `dlmrt.runtime.device_step.step` over a bucket's
 static buffers, with the module the exporter traces (`dlmrt.export.step_graph.StepGraph`) as the step:
 
 - `eager`: op by op, as written.
-- `compile`: `torch.compile(fullgraph=True, dynamic=False)` of the K-step function, one graph per
-  bucket, step kind and K. On a CPU the linear layers run on oneDNN with prepacked weights
-  (`dlmrt.runtime.onednn`). Inductor's compiled artifacts are kept under `$DLMRT_HOME/inductor`
-  (unless TORCHINDUCTOR_CACHE_DIR is set), so a later process compiles faster.
+- `compile`: `torch.compile(fullgraph=True, dynamic=False)` of the step, one graph per bucket and
+  step kind, run K times back to back. (The K-step function compiles as one graph too, but unrolling
+  K steps multiplies the compile time by K, 157 s for a whole block of 32 on the benchmark's model,
+  and buys nothing where a host read costs nothing.) On a CPU the linear layers run on oneDNN with
+  prepacked weights (`dlmrt.runtime.onednn`). Inductor's compiled artifacts are kept under
+  `$DLMRT_HOME/inductor` (unless TORCHINDUCTOR_CACHE_DIR is set), so a later process compiles faster.
 - `cudagraph` (CUDA only): the K-step function is captured once per bucket, step kind and K into a
   `torch.cuda.CUDAGraph` after a warm-up on a side stream, all graphs sharing one memory pool; a
   replay reads the static buffers, which the host refills before it (block start, schedule).
@@ -24,7 +26,7 @@ from __future__ import annotations
 import os
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import Tensor
@@ -39,7 +41,7 @@ from dlmrt.runtime.device_step import GraphOutputs, StepKind
 
 MODES = ("eager", "compile", "cudagraph")
 DEFAULT_MAX_BATCH = 64
-# Graphs dynamo may hold for the K-step function: one per bucket, step kind and K.
+# Graphs dynamo may hold for the compiled step: one per bucket and step kind.
 _RECOMPILE_LIMIT = 1024
 
 
@@ -61,10 +63,10 @@ def modes_for(device: torch.device) -> tuple[str, ...]:
 
 
 def resolve_mode(mode: str, device: torch.device) -> str:
-    """The mode to run: `auto` is cudagraph on CUDA, eager elsewhere; a mode this device cannot run
-    is refused."""
+    """The mode to run: `auto` is cudagraph on CUDA and compile elsewhere (on a CPU the faster of eager
+    and compile, measured by scripts/bench_device_loop.py); a mode this device cannot run is refused."""
     if mode == "auto":
-        return "cudagraph" if device.type == "cuda" else "eager"
+        return "cudagraph" if device.type == "cuda" else "compile"
     runnable = modes_for(device)
     if mode not in runnable:
         known = "" if mode in MODES else f" (modes: auto, {', '.join(MODES)})"
@@ -88,14 +90,17 @@ class _TorchGraph:
 class TorchBackend(Backend):
     def __init__(self, model: Denoiser, *, mode: str = "auto", max_batch: int = DEFAULT_MAX_BATCH,
                  max_length: int | None = None, batch_sizes: tuple[int, ...] | None = None,
-                 canvas_lengths: tuple[int, ...] | None = None):
+                 canvas_lengths: tuple[int, ...] | None = None, unmask: str = "torch",
+                 on_compile: Callable[[str], None] | None = None):
         model.eval()
         spec = spec_of(model)
         super().__init__(spec, BucketLadder(
             max_batch, max_length or spec.max_positions, batch_sizes, canvas_lengths,
-            hint="raise the limit with --max-batch (TorchBackend(max_batch=...))"))
+            batch_hint="raise the limit with --max-batch (TorchBackend(max_batch=...))",
+            canvas_hint="raise it with TorchBackend(max_length=...), up to the model's context"))
         self.model = model
         self.mode = resolve_mode(mode, spec.device)
+        self.unmask = unmask  # the unmasking step's kernels: "torch" (its reference) or "triton"
         self.falls_back = mode == "auto"  # to eager, when a bucket fails to compile or capture
         self._graphs: dict[tuple, _TorchGraph] = {}
         self._runners: dict[tuple, object] = {}  # (state, kind, steps) -> what `run` calls
@@ -103,6 +108,7 @@ class TorchBackend(Backend):
         self._compiled = None
         self._compile_model: Denoiser | None = None
         self._pool = None
+        self.on_compile = on_compile  # told what is compiled or captured, before it is
 
     # -- the K-step function ------------------------------------------------------------------------
     def _steps(self, state: DeviceState, kind: StepKind, steps: int, graph: _TorchGraph) -> None:
@@ -116,7 +122,8 @@ class TorchBackend(Backend):
         key = (graph, grid, kind.writes > 0, kind.sampling, kind.confidence, id(model))
         if key not in self._graphs:
             self._graphs[key] = _TorchGraph(StepGraph(model, graph, grid, return_kv=kind.writes > 0,
-                                                      sampling=kind.sampling, confidence=kind.confidence).eval())
+                                                      sampling=kind.sampling, confidence=kind.confidence,
+                                                      unmask=self.unmask).eval())
         return self._graphs[key]
 
     # -- Backend ------------------------------------------------------------------------------------
@@ -126,15 +133,21 @@ class TorchBackend(Backend):
             return 0.0
         started = time.perf_counter()
         device_step.allocate(state, kind)
+        if self.mode != "eager" and self.on_compile is not None:
+            bucket = state.bucket
+            self.on_compile(f"{_DO[self.mode]}: {steps} step(s) for a batch of {bucket.batch} x {bucket.canvas} "
+                            f"(once per shape)")
         try:
             runner = self._build(state, kind, steps)
         except Exception as error:  # noqa: BLE001  (any compile or capture failure)
+            if self.mode == "eager":
+                raise
             if not self.falls_back:
-                raise ArgumentError(f"mode {self.mode!r} failed to {_VERB[self.mode]} the step for a batch of "
+                raise ArgumentError(f"mode {self.mode!r} failed to {_DO[self.mode]} the step for a batch of "
                                     f"{state.bucket.batch} x {state.bucket.canvas}: {type(error).__name__}: "
                                     f"{_first_line(error)}; use --mode eager") from error
             if not self._fallback_warned:
-                warnings.warn(f"dlmrt: the {self.mode} mode failed to {_VERB[self.mode]} a step "
+                warnings.warn(f"dlmrt: the {self.mode} mode failed to {_DO[self.mode]} a step "
                               f"({type(error).__name__}: {_first_line(error)}); running eagerly instead",
                               RuntimeWarning, stacklevel=2)
                 self._fallback_warned = True
@@ -159,27 +172,37 @@ class TorchBackend(Backend):
         return self._capture(state, kind, steps)
 
     def _compile(self, state: DeviceState, kind: StepKind, steps: int):
-        if self._compiled is None:
+        if self._compiled is None:  # one compiled step function: dynamo keeps a graph per bucket and kind
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(_inductor_cache()))
             self._compile_model = onednn.prepack_linears(self.model) if onednn.available(self.model) else self.model
-            self._compiled = torch.compile(self._steps, fullgraph=True, dynamic=False)
+            # Every backend compiles the same function, so dynamo's guards on the model's modules are what
+            # keep one model's graph from running another's: they stay, though they cost ~2% of a step.
+            self._compiled = torch.compile(device_step.step, fullgraph=True, dynamic=False)
         graph = self._graph(state, kind, self._compile_model)
         saved = {name: tensor.clone() for name, tensor in state.tensors().items()}
-        with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT,
-                                        accumulated_recompile_limit=_RECOMPILE_LIMIT):
-            self._compiled(state, kind, steps, graph)  # compiles; the state is restored below
-        _restore(state, saved)
-        return lambda: self._compiled(state, kind, steps, graph)
+        try:
+            with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT,
+                                            accumulated_recompile_limit=_RECOMPILE_LIMIT):
+                self._compiled(state, kind, graph)  # compiles, then runs: undone below
+        finally:
+            _restore(state, saved)
+
+        def run():
+            for _ in range(steps):
+                self._compiled(state, kind, graph)
+        return run
 
     def _capture(self, state: DeviceState, kind: StepKind, steps: int):
         graph = self._graph(state, kind, self.model)
         saved = {name: tensor.clone() for name, tensor in state.tensors().items()}
         side = torch.cuda.Stream(device=self.spec.device)
         side.wait_stream(torch.cuda.current_stream(self.spec.device))
-        with torch.cuda.stream(side):  # warm-up: lazy initialization stays out of the graph
-            self._steps(state, kind, steps, graph)
-        torch.cuda.current_stream(self.spec.device).wait_stream(side)
-        _restore(state, saved)
+        try:
+            with torch.cuda.stream(side):  # warm-up: lazy initialization stays out of the graph
+                self._steps(state, kind, steps, graph)
+            torch.cuda.current_stream(self.spec.device).wait_stream(side)
+        finally:
+            _restore(state, saved)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         cuda_graph = torch.cuda.CUDAGraph()
@@ -188,7 +211,7 @@ class TorchBackend(Backend):
         return cuda_graph.replay
 
 
-_VERB = {"compile": "compile", "cudagraph": "capture", "eager": "run"}
+_DO = {"compile": "compile", "cudagraph": "capture"}
 
 
 def _first_line(error: Exception) -> str:

@@ -37,7 +37,7 @@ from bench_step_loop import LARGE_LLADA, LARGE_TOKENS  # noqa: E402
 
 def compare(model, export_dir, prompts, gen_length, block_length, cache, repeats, progress, title):
     settings = GenerationSettings(gen_length, block_length, Threshold(0.9), cache=cache, ignore_eos=True)
-    torch_generator, ort_generator = Generator(model), Generator(OrtBackend(export_dir))
+    torch_generator, ort_generator = Generator(model, mode="eager"), Generator(OrtBackend(export_dir))
 
     def warm_up():
         for generator in (torch_generator, ort_generator):

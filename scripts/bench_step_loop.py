@@ -51,7 +51,7 @@ def cases(model, prompts, gen_length: int, block_length: int, *, compare_policie
     random weights the others cost what the reference costs: a full forward per token)."""
     def generator(policy, cache):
         settings = GenerationSettings(gen_length, block_length, policy, cache=cache, ignore_eos=True)
-        return lambda: Generator(model).generate(prompts, settings).metrics
+        return lambda: Generator(model, mode="eager").generate(prompts, settings).metrics
 
     one_per_step = GenerationSettings(gen_length, block_length, Fixed(gen_length))
     uncached = [Case("fixed, cache none", generator(Fixed(gen_length), "none")),
@@ -66,7 +66,7 @@ def cases(model, prompts, gen_length: int, block_length: int, *, compare_policie
 
 
 def warm_up(model, prompts, block_length):
-    return lambda: Generator(model).generate(prompts[:1], GenerationSettings(block_length, block_length,
+    return lambda: Generator(model, mode="eager").generate(prompts[:1], GenerationSettings(block_length, block_length,
                                                                               Threshold(0.9), cache="dual"))
 
 
@@ -78,7 +78,7 @@ def agreement(model, prompts, gen_length, block_length, examples, progress) -> l
         baseline = None
         for cache in ("none", "prefix", "dual"):
             settings = GenerationSettings(gen_length, block_length, policy, cache=cache, ignore_eos=True)
-            tokens = Generator(model).generate(prompts, settings).tokens
+            tokens = Generator(model, mode="eager").generate(prompts, settings).tokens
             if baseline is None:
                 baseline = tokens
             score = exact_match(model, examples, settings)

@@ -4,9 +4,12 @@
 #   scripts/gpu_check.sh            # on a machine with an NVIDIA GPU (TensorRT optional)
 #
 # Runs the tests marked `gpu` or `trt` (the Triton kernels compiled and run on the device, the NVIDIA
-# GPU paths of quantization, TensorRT builds where TensorRT is installed), then plans (and, with
-# TensorRT, builds and inspects) an engine of the tiny model for the running GPU. Sized to finish in
-# under 8 minutes; each step has its own time limit. Results and logs go to $OUT (else a temp dir).
+# GPU paths of quantization, TensorRT builds where TensorRT is installed), the step loop's parity
+# tests under CUDA graphs (K = 1, 4 and a whole block), the step-latency benchmark on LLaDA-8B shapes
+# (scripts/bench_step_latency.py: eager and CUDA graphs, then torch.compile on its own time limit),
+# then plans (and, with TensorRT, builds and inspects) an engine of the tiny model for the running
+# GPU. Sized to finish in under 8 minutes; each step has its own time limit. Results and logs go to
+# $OUT (else a temp dir).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 results=${OUT:-$(mktemp -d)}
@@ -37,6 +40,10 @@ step() {  # step NAME LIMIT COMMAND...: run one command, record its outcome and 
     if timeout "$limit" "$@" > "$results/$name.log" 2>&1; then status=passed; else status="failed ($?)"; fi
     printf '%s\t%s\t%s\n' "$name" "$status" "$((SECONDS - started))" >> "$steps"
 }
+step parity-cudagraph 150 "$python" -m pytest -q -p no:cacheprovider tests/test_generator.py --loop-modes cudagraph
+step latency-eager-cudagraph 150 "$python" scripts/bench_step_latency.py --modes eager,cudagraph \
+    --json "$results/latency_eager_cudagraph.json"
+step latency-compile 150 "$python" scripts/bench_step_latency.py --modes compile --json "$results/latency_compile.json"
 export_dir="$results/tiny-export"
 step export 120 "$python" -m dlmrt.cli export -o "$export_dir" --max-batch 8 --max-length 64
 step plan 60 "$python" -m dlmrt.cli build "$export_dir" --target auto --precision fp8 --dry-run
@@ -68,3 +75,6 @@ for line in open(sys.argv[2]):
     table.add_row(f"dlmrt {name} (tiny model)", outcome, seconds)
 Console(width=140).print(table)
 PY
+for log in latency-eager-cudagraph latency-compile; do  # the benchmark's own tables
+    [ -f "$results/$log.log" ] && grep -v "^  " "$results/$log.log" | tail -n 30
+done

@@ -162,8 +162,9 @@ def build_variants(target: Target, scratch: Path, args, progress: Progress) -> t
     simulated = nvfp4.simulate(target.model, [torch.from_numpy(feed["ids"]) for feed in feeds])
     facts["nvfp4_s"] = round(time.perf_counter() - started, 1)
     progress.advance(step)
-    generators = {"fp32 (torch)": Generator(target.model), "fp32 (ORT)": Generator(OrtBackend(export_dir)),
-                  "FP8 (ORT)": Generator(OrtBackend(fp8_dir)), "NVFP4 (torch)": Generator(simulated)}
+    generators = {"fp32 (torch)": Generator(target.model, mode="eager"),
+                  "fp32 (ORT)": Generator(OrtBackend(export_dir)),
+                  "FP8 (ORT)": Generator(OrtBackend(fp8_dir)), "NVFP4 (torch)": Generator(simulated, mode="eager")}
     return generators, facts
 
 

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pytest
 
 from dlmrt.export import checkpoint
 from helpers import LLADA, LLADA2, Loop, random_model
 
 STEPS_PER_SYNC = (1, 4, "block")
+# torch.compile's artifacts, shared by the session's tests and kept out of the user's cache.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="dlmrt-tests-inductor-"))
 
 
 def pytest_addoption(parser):

@@ -67,6 +67,28 @@ def random_model(raw: dict, seed: int = 0, scale: float = 0.15):
     return model
 
 
+class EOSAt:
+    """Wraps a model so that generated position `eos_position` (0-based) predicts EOS with certainty
+    (written without data-dependent indexing, so that it compiles)."""
+
+    def __init__(self, model, prompt_length, eos_position):
+        self.model, self.target = model, prompt_length + eos_position
+
+    def __getattr__(self, name):
+        if name in ("model", "target"):  # not set yet: a copy is being made
+            raise AttributeError(name)
+        return getattr(self.model, name)
+
+    def denoise(self, ids, *, positions, logits_index=None, **kwargs):
+        out = self.model.denoise(ids, positions=positions, **kwargs)
+        at_target = (positions == self.target)[..., None]
+        eos = torch.arange(out.logits.shape[-1], device=ids.device) == TOKENS.eos_ids[0]
+        logits = torch.where(at_target, torch.where(eos, 1e4, -1e4).to(out.logits.dtype), out.logits)
+        if logits_index is not None:
+            logits = logits.index_select(1, logits_index)
+        return out._replace(logits=logits)
+
+
 @dataclass(frozen=True)
 class Loop:
     """How the step loop runs in a parity test: a TorchBackend mode and K, the steps per host read

@@ -71,7 +71,8 @@ def test_config_that_is_not_json(llada_dir):
     ({"residual_context": True}, CheckpointError, "field 'residual_context' must be an object or null, got true"),
     ({"mask_token_id": 1000}, CheckpointError, r"the mask token id 1000 lies outside the vocabulary \[0, 43\)"),
 ], ids=["unknown model_type", "no model_type", "missing field", "str for int", "str for float", "int for bool",
-        "float for int", "inconsistent", "unsupported feature", "unknown adapter", "residual not an object", "token id"])
+        "float for int", "inconsistent", "unsupported feature", "unknown adapter", "residual not an object",
+        "token id"])
 def test_bad_config(llada_dir, changes, error, message):
     edit_config(llada_dir, **changes)
     with pytest.raises(error, match=message):
@@ -80,13 +81,15 @@ def test_bad_config(llada_dir, changes, error, message):
 
 def test_missing_tensor(llada_dir):
     edit_weights(llada_dir, lambda s: s.pop("model.transformer.blocks.1.up_proj.weight"))
-    with pytest.raises(CheckpointError, match=r"missing tensor 'model.transformer.blocks.1.up_proj.weight' \(shape \[48, 32\]"):
+    with pytest.raises(CheckpointError,
+                       match=r"missing tensor 'model.transformer.blocks.1.up_proj.weight' \(shape \[48, 32\]"):
         dlmrt.load(llada_dir)
 
 
 def test_unexpected_tensor(llada_dir):
     edit_weights(llada_dir, lambda s: s.update({"model.transformer.blocks.0.extra.weight": torch.zeros(2)}))
-    with pytest.raises(CheckpointError, match=r"unexpected tensor 'model.transformer.blocks.0.extra.weight' in model.safetensors"):
+    with pytest.raises(CheckpointError,
+                       match=r"unexpected tensor 'model.transformer.blocks.0.extra.weight' in model.safetensors"):
         dlmrt.load(llada_dir)
 
 
@@ -154,7 +157,7 @@ def model():
     (dict(gen_length=8, block_length=8, temperature=-1.0), "temperature must be >= 0"),
 ])
 def test_bad_generation_settings(model, settings, expected):
-    for generate in (reference.generate, lambda m, p, s: Generator(m).generate(p, s)):
+    for generate in (reference.generate, lambda m, p, s: Generator(m, mode="eager").generate(p, s)):
         with pytest.raises(ArgumentError, match=expected):
             generate(model, [[5, 6]], GenerationSettings(**settings))
 
@@ -173,20 +176,20 @@ def test_bad_generation_settings(model, settings, expected):
 ])
 def test_bad_policy_settings(model, settings, expected):
     with pytest.raises(ArgumentError, match=expected):
-        Generator(model).generate([[5, 6]], GenerationSettings(8, 8, **settings))
+        Generator(model, mode="eager").generate([[5, 6]], GenerationSettings(8, 8, **settings))
 
 
 def test_block_causal_models_need_whole_blocks_only_under_the_fixed_policy():
     model = random_model(LLADA2)
     with pytest.raises(ArgumentError, match=r"gen-length \(10\) must be divisible by block-length \(4\)"):
-        Generator(model).generate([[5, 6]], GenerationSettings(10, 4, Fixed(10)))
-    assert len(Generator(model).generate([[5, 6]], GenerationSettings(10, 4, LLaDA2(), ignore_eos=True))
+        Generator(model, mode="eager").generate([[5, 6]], GenerationSettings(10, 4, Fixed(10)))
+    assert len(Generator(model, mode="eager").generate([[5, 6]], GenerationSettings(10, 4, LLaDA2(), ignore_eos=True))
                .tokens[0]) == 10
 
 
 def test_dual_cache_is_refused_for_block_causal_models():
     with pytest.raises(ArgumentError, match="cache mode 'dual' does not apply to llada2_moe: it is block-causal"):
-        Generator(random_model(LLADA2)).generate([[5, 6]], GenerationSettings(8, 8, cache="dual"))
+        Generator(random_model(LLADA2), mode="eager").generate([[5, 6]], GenerationSettings(8, 8, cache="dual"))
 
 
 def test_unknown_policy_name():
@@ -205,7 +208,7 @@ def test_unknown_policy_name():
                  r"context of 64"),
 ])
 def test_bad_prompts(model, prompts, expected):
-    for generate in (reference.generate, lambda m, p, s: Generator(m).generate(p, s)):
+    for generate in (reference.generate, lambda m, p, s: Generator(m, mode="eager").generate(p, s)):
         with pytest.raises(ArgumentError, match=expected):
             generate(model, prompts, GenerationSettings(8, 8))
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from dlmrt.runtime import (Factor, Fixed, GenerationSettings, Generator, LLaDA2, Residual, Threshold,
                            reference)
 from dlmrt.runtime.torch_backend import TorchBackend
-from helpers import LLADA, LLADA2, ORL, TOKENS, config, random_model
+from helpers import LLADA, LLADA2, ORL, TOKENS, EOSAt, config, random_model
 
 MASK, EOS = TOKENS.mask_id, TOKENS.eos_ids[0]
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19, 20]]
@@ -204,25 +204,6 @@ def test_bidirectional_cache_windows(llada, cache):
 
 
 # -- end of sequence, streaming, cancellation ---------------------------------------------------------
-class EOSAt:
-    """Wraps a model so that generated position `eos_position` (0-based) predicts EOS with certainty."""
-
-    def __init__(self, model, prompt_length, eos_position):
-        self.model, self.target = model, prompt_length + eos_position
-
-    def __getattr__(self, name):
-        return getattr(self.model, name)
-
-    def denoise(self, ids, *, positions, logits_index=None, **kwargs):
-        out = self.model.denoise(ids, positions=positions, **kwargs)
-        logits = out.logits.clone()
-        logits[positions == self.target] = -1e4
-        logits[..., EOS][positions == self.target] = 1e4
-        if logits_index is not None:
-            logits = logits.index_select(1, logits_index)
-        return out._replace(logits=logits)
-
-
 def test_a_row_stops_after_the_block_holding_eos(llada, loop):
     model = EOSAt(llada, 3, 5)  # EOS in the second block of 4
     settings = GenerationSettings(16, 4, Fixed(16))

@@ -39,7 +39,7 @@ def exported(tmp_path_factory):
                                          if not (name == "llada2" and cache == "dual")])
 def test_ort_gives_the_torch_tokens_for_every_policy(exported, name, cache):
     model, directory = exported[name]
-    ort_generator, torch_generator = Generator(OrtBackend(directory)), Generator(model)
+    ort_generator, torch_generator = Generator(OrtBackend(directory)), Generator(model, mode="eager")
     for policy in POLICIES:
         for temperature, cfg_scale in ((0.0, 0.0), (0.8, 0.0), (0.0, 1.5)):
             settings = GenerationSettings(12, 4, policy, cache=cache, temperature=temperature, seed=3,
@@ -54,7 +54,7 @@ def test_ort_gives_the_torch_tokens_for_every_policy(exported, name, cache):
 def test_ort_gives_the_torch_tokens_on_the_tiny_model(exported, cache):
     model, directory = exported["tiny"]
     prompts = [text.encode(model, e.prompt) for e in tasks.examples("test", 8, seed=5)]
-    ort_generator, torch_generator = Generator(OrtBackend(directory)), Generator(model)
+    ort_generator, torch_generator = Generator(OrtBackend(directory)), Generator(model, mode="eager")
     for policy in (Fixed(16), Threshold(0.9), Factor(1.0)):
         settings = GenerationSettings(16, 8, policy, cache=cache)
         for start in range(0, len(prompts), 8):  # the export's batch limit
@@ -153,7 +153,7 @@ def test_residual_policy_runs_through_ort(exported):
     model, directory = exported["orl"]
     settings = GenerationSettings(12, 12, Residual(Threshold(0.3)), cache="dual")
     assert torch.equal(Generator(OrtBackend(directory)).generate(PROMPTS, settings).tokens,
-                       Generator(model).generate(PROMPTS, settings).tokens)
+                       Generator(model, mode="eager").generate(PROMPTS, settings).tokens)
 
 
 def test_cli_export_and_generate_with_ort(tmp_path, monkeypatch):
@@ -228,7 +228,7 @@ def test_large_weights_go_to_external_data(monkeypatch, tmp_path):
     assert {"step_full.onnx.data", "step_cached.onnx.data"} <= set(manifest["files"])
     settings = GenerationSettings(8, 4, Threshold(0.3), cache="prefix")
     assert torch.equal(Generator(OrtBackend(directory)).generate(PROMPTS[:2], settings).tokens,
-                       Generator(model).generate(PROMPTS[:2], settings).tokens)
+                       Generator(model, mode="eager").generate(PROMPTS[:2], settings).tokens)
 
 
 def test_half_precision_exports(tmp_path):
@@ -250,4 +250,5 @@ def test_a_saved_optimized_model_is_reused(exported, tmp_path):
     assert len(saved) == 4 and all(name.endswith("-all.onnx") for name in saved)
     second = Generator(OrtBackend(directory, optimized_model_dir=tmp_path)).generate(PROMPTS, settings).tokens
     assert sorted(p.name for p in tmp_path.iterdir()) == saved
-    assert torch.equal(first, second) and torch.equal(first, Generator(model).generate(PROMPTS, settings).tokens)
+    eager = Generator(model, mode="eager").generate(PROMPTS, settings).tokens
+    assert torch.equal(first, second) and torch.equal(first, eager)

@@ -526,7 +526,8 @@ def test_fixed_count_over_a_partly_masked_block(count, expected):
     assert commits(result) == [expected] == [ref_fixed(confidences(result)[0], masked[0], count)]
 
 
-@pytest.mark.parametrize("count, expected", [(1, {1}), (2, {1, 3}), (3, {1, 3, 0}), (4, {0, 1, 3, 4}), (5, {0, 1, 3, 4, 5})])
+@pytest.mark.parametrize("count, expected", [(1, {1}), (2, {1, 3}), (3, {1, 3, 0}), (4, {0, 1, 3, 4}),
+                                             (5, {0, 1, 3, 4, 5})])
 def test_fixed_ties_go_to_the_earlier_position(count, expected):
     # 0.9 at positions 1 and 3 and 0.6 at positions 0, 4 and 5, each group with identical logits.
     confs = [(0.6, 2), (0.9, 6), 0.2, (0.9, 6), (0.6, 2), (0.6, 2)]

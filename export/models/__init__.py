@@ -69,14 +69,15 @@ def build(raw: Mapping[str, Any], source: str, tokens: SpecialTokens | None) -> 
 
 
 def create(raw: Mapping[str, Any], *, tokens: SpecialTokens | None = None, seed: int = 0,
-           dtype: torch.dtype = torch.float32, init_std: float = 0.02) -> Denoiser:
-    """A new model with random weights (normal(0, init_std) matrices, unit norms, zero adapter output).
+           dtype: torch.dtype = torch.float32, init_std: float = 0.02, device: str | torch.device = "cpu") -> Denoiser:
+    """A new model with random weights (normal(0, init_std) matrices, unit norms, zero adapter output),
+    initialized on `device` (seeded per device: a CUDA model is not the CPU model moved).
 
-    Only for training and tests: loading a checkpoint never initializes randomly.
+    Only for training, tests and benchmarks: loading a checkpoint never initializes randomly.
     """
     model = build(raw, "config", tokens)
-    model.to_empty(device="cpu")
-    generator = torch.Generator().manual_seed(seed)
+    model.to_empty(device=device)
+    generator = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, RMSNorm):

@@ -1,0 +1,237 @@
+"""The step loop on the device: padded buckets give the unpadded tokens, the K-step function compiles
+without a graph break, the host reads the device once per K steps, the compiled mode gives the eager
+tokens, and bad modes, limits and failures get one clear error."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+import warnings
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from dlmrt.errors import ArgumentError
+from dlmrt.runtime import Factor, Fixed, GenerationSettings, Generator, LLaDA2, Threshold, reference
+from dlmrt.runtime.torch_backend import TorchBackend
+from helpers import LLADA, LLADA2, ORL, EOSAt, config, random_model
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19, 20]]
+
+
+@pytest.fixture(scope="module")
+def llada():
+    return random_model(LLADA)
+
+
+@pytest.fixture(scope="module")
+def orl():
+    return random_model(config(LLADA, residual_context=ORL), seed=3)
+
+
+@pytest.fixture(scope="module")
+def llada2():
+    return random_model(LLADA2)
+
+
+@pytest.fixture(scope="module")
+def llada2_orl():
+    return random_model(config(LLADA2, residual_context=ORL), seed=5)
+
+
+def tokens(model, settings, prompts=PROMPTS, **backend_options):
+    return Generator(model, **backend_options).generate(prompts, settings).tokens
+
+
+# -- buckets: padding is inert ----------------------------------------------------------------------
+BUCKET_CASES = [  # (model, settings): every cache mode, guidance, ORL, sampling, both families
+    ("llada", GenerationSettings(12, 4, Threshold(0.3), cache="dual", ignore_eos=True)),
+    ("llada", GenerationSettings(12, 4, Fixed(12), cache="prefix", cfg_scale=1.5, ignore_eos=True)),
+    ("orl", GenerationSettings(12, 4, Factor(2.0), cache="none", temperature=0.8, seed=2)),
+    ("llada2", GenerationSettings(12, 4, LLaDA2(0.3, 4), cache="prefix")),
+    ("llada2_orl", GenerationSettings(12, 4, Threshold(0.3), cache="none", cfg_scale=1.0, ignore_eos=True)),
+]
+
+
+@pytest.mark.parametrize("model_name, settings", BUCKET_CASES, ids=lambda value: getattr(value, "cache", value))
+def test_a_padded_bucket_gives_the_tokens_of_the_unpadded_run(request, model_name, settings):
+    model = request.getfixturevalue(model_name)
+    exact = tokens(model, settings, mode="eager", batch_sizes=(3,), canvas_lengths=(1,))  # no padding anywhere
+    padded = tokens(model, settings, mode="eager")  # 3 rows in the bucket of 4, canvas in whole blocks
+    wide = tokens(model, settings, mode="eager", batch_sizes=(8,), canvas_lengths=(48,))  # much more padding
+    assert torch.equal(padded, exact) and torch.equal(wide, exact)
+
+
+def test_rows_alone_give_their_batched_tokens_with_sampling_and_orl(orl):
+    """Steps after a row's block is done are no-ops, so its random stream and residual do not depend on
+    how long its neighbours take."""
+    settings = GenerationSettings(12, 4, Threshold(0.3), cache="dual", temperature=0.8, seed=2, ignore_eos=True)
+    batched = Generator(orl, mode="eager").generate(PROMPTS, settings).rows
+    for row, prompt in enumerate(PROMPTS):
+        alone = Generator(orl, mode="eager").generate([prompt], GenerationSettings(
+            12, 4, Threshold(0.3), cache="dual", temperature=0.8, seed=2 + row, ignore_eos=True)).rows[0]
+        assert alone.token_ids == batched[row].token_ids
+
+
+# -- no graph breaks ----------------------------------------------------------------------------------
+class FullGraphProbe(TorchBackend):
+    """Runs each step kind as the K-step function compiled with fullgraph=True by dynamo and AOT autograd
+    (the `aot_eager` backend: the same tracing as inductor's, without its code generation)."""
+
+    def _build(self, state, kind, steps):
+        graph = self._graph(state, kind, self.model)
+        compiled = torch.compile(self._steps, fullgraph=True, dynamic=False, backend="aot_eager")
+
+        def run():  # dynamo keeps one graph per bucket, kind and K for the one K-step function
+            with torch._dynamo.config.patch(recompile_limit=1024, accumulated_recompile_limit=1024):
+                compiled(state, kind, steps, graph)
+        return run
+
+
+FULLGRAPH_CASES = [
+    ("llada", "none", 0.0, 0.0), ("llada", "prefix", 1.5, 0.0), ("llada", "dual", 0.0, 0.8),
+    ("orl", "dual", 1.5, 0.8), ("orl", "prefix", 0.0, 0.0),
+    ("llada2", "none", 0.0, 0.8), ("llada2", "prefix", 1.0, 0.0), ("llada2_orl", "prefix", 0.0, 0.8),
+]
+
+
+@pytest.mark.parametrize("model_name, cache, cfg_scale, temperature", FULLGRAPH_CASES)
+def test_the_k_step_function_compiles_without_a_graph_break(request, model_name, cache, cfg_scale, temperature):
+    """fullgraph=True raises on any graph break: a host read or data-dependent Python control flow."""
+    model = request.getfixturevalue(model_name)
+    settings = GenerationSettings(8, 4, Threshold(0.3), cache=cache, cfg_scale=cfg_scale, temperature=temperature,
+                                  seed=1, ignore_eos=True, steps_per_sync=2)
+    probe = Generator(FullGraphProbe(model, mode="compile")).generate(PROMPTS[:2], settings)
+    assert torch.equal(probe.tokens, tokens(model, settings, PROMPTS[:2], mode="eager"))
+
+
+# -- host reads -------------------------------------------------------------------------------------
+READS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy"}
+
+
+class DeviceReads(TorchFunctionMode):
+    """Counts reads of a backend's device state on the host."""
+
+    def __init__(self, backend):
+        super().__init__()
+        self.backend, self.count = backend, 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", None) in READS and args and isinstance(args[0], torch.Tensor):
+            storages = {t.untyped_storage().data_ptr() for state in self.backend._states.values()
+                        for t in state.tensors().values()}
+            self.count += args[0].untyped_storage().data_ptr() in storages
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 8])
+def test_the_host_reads_the_device_once_per_k_steps(llada, k):
+    backend = TorchBackend(llada, mode="eager")
+    settings = GenerationSettings(16, 8, Fixed(16), cache="dual", ignore_eos=True, steps_per_sync=k)  # 8 steps/block
+    with DeviceReads(backend) as reads:
+        result = Generator(backend).generate(PROMPTS, settings)
+    blocks, steps = 2, 8
+    assert result.metrics.forwards_executed == blocks * steps
+    assert reads.count <= blocks * (math.ceil(steps / k) + 1)  # the done flags, and the block's tokens once
+    assert reads.count >= blocks * math.ceil(steps / k)
+
+
+def test_a_large_k_runs_no_op_steps_and_changes_no_token():
+    import dlmrt
+    from dlmrt import tasks
+    from dlmrt.runtime import text
+
+    tiny = dlmrt.load()
+    prompts = [text.encode(tiny, e.prompt) for e in tasks.examples("test", 8, seed=3)]
+    settings = GenerationSettings(16, 8, Threshold(0.9), cache="dual")
+    one = Generator(tiny, mode="eager").generate(prompts, settings)
+    whole = Generator(tiny, mode="eager").generate(prompts, GenerationSettings(16, 8, Threshold(0.9), cache="dual",
+                                                                               steps_per_sync=8))
+    assert torch.equal(one.tokens, whole.tokens)
+    assert one.metrics.nfe == whole.metrics.nfe == one.metrics.forwards_executed
+    assert whole.metrics.forwards_executed > whole.metrics.nfe  # the confident model ends blocks early
+
+
+# -- the compiled mode gives the eager tokens -----------------------------------------------------------------
+COMPILE_CASES = [
+    ("llada", GenerationSettings(12, 4, Fixed(12), ignore_eos=True), "reference"),
+    ("orl", GenerationSettings(12, 4, Threshold(0.3), cache="dual", temperature=0.8, seed=3), None),
+    ("llada", GenerationSettings(12, 4, Fixed(12), cache="prefix", cfg_scale=1.5, ignore_eos=True), None),
+    ("llada2", GenerationSettings(12, 4, LLaDA2(0.3, 4), cache="prefix"), None),
+    ("eos", GenerationSettings(8, 4, Fixed(8)), None),
+]
+
+
+@pytest.mark.parametrize("k", [1, "block"])
+@pytest.mark.parametrize("model_name, settings, oracle", COMPILE_CASES, ids=["fixed", "orl-dual-sampled",
+                                                                             "guided-prefix", "llada2-exact", "eos"])
+def test_compile_gives_the_eager_tokens(request, llada, model_name, settings, oracle, k):
+    model = EOSAt(llada, 9, 1) if model_name == "eos" else request.getfixturevalue(model_name)
+    settings = dataclasses.replace(settings, steps_per_sync=settings.block_length if k == "block" else k)
+    compiled = Generator(model, mode="compile").generate(PROMPTS, settings)
+    eager = Generator(model, mode="eager").generate(PROMPTS, settings)
+    assert torch.equal(compiled.tokens, eager.tokens)
+    assert compiled.metrics.nfe == eager.metrics.nfe and compiled.metrics.compile_s > 0
+    if oracle == "reference":
+        assert torch.equal(compiled.tokens, reference.generate(model, PROMPTS, settings).tokens)
+
+
+# -- bad input ---------------------------------------------------------------------------------------------
+def test_a_mode_this_device_cannot_run_names_the_modes_that_can(llada):
+    with pytest.raises(ArgumentError, match=r"mode 'cudagraph' cannot run on cpu: modes that run here are auto, "
+                                            r"eager, compile"):
+        TorchBackend(llada, mode="cudagraph")
+    with pytest.raises(ArgumentError, match=r"mode 'jit' cannot run on cpu \(modes: auto, eager, compile, cudagraph\)"):
+        TorchBackend(llada, mode="jit")
+
+
+def test_a_batch_or_canvas_over_the_largest_bucket_names_the_option(llada):
+    with pytest.raises(ArgumentError, match=r"3 prompts exceed the batch limit of 2: raise the limit with --max-batch"):
+        Generator(llada, mode="eager", max_batch=2).generate(PROMPTS, GenerationSettings(8, 4))
+    with pytest.raises(ArgumentError, match=r"needs a canvas of 17 positions, more than the largest of 16: raise it "
+                                            r"with TorchBackend\(max_length=...\)"):
+        Generator(llada, mode="eager", max_length=16).generate(PROMPTS, GenerationSettings(8, 4))
+    with pytest.raises(ArgumentError, match="steps-per-sync must be positive"):
+        Generator(llada, mode="eager").generate(PROMPTS, GenerationSettings(8, 4, steps_per_sync=0))
+
+
+def _failing_compile(*args, **kwargs):
+    raise RuntimeError("no compiler here")
+
+
+def test_a_failed_compile_falls_back_to_eager_only_for_the_default_mode(llada, monkeypatch):
+    monkeypatch.setattr(torch, "compile", _failing_compile)
+    settings = GenerationSettings(8, 4, Threshold(0.3), cache="dual", ignore_eos=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fallback = Generator(llada).generate(PROMPTS, settings)  # auto: compile on a CPU
+    said = [w for w in caught if "running eagerly instead" in str(w.message)]
+    assert len(said) == 1 and "no compiler here" in str(said[0].message)  # once, for both step kinds
+    assert torch.equal(fallback.tokens, tokens(llada, settings, mode="eager"))
+    with pytest.raises(ArgumentError, match=r"mode 'compile' failed to compile the step for a batch of 4 x 20: "
+                                            r"RuntimeError: no compiler here; use --mode eager"):
+        Generator(llada, mode="compile").generate(PROMPTS, settings)
+
+
+def test_two_streams_on_one_backend_are_refused_until_the_first_ends(llada):
+    generator = Generator(llada, mode="eager")
+    settings = GenerationSettings(8, 4, Fixed(8), ignore_eos=True)
+    first = generator.stream(PROMPTS, settings)
+    next(first)
+    with pytest.raises(ArgumentError, match="already decoding a batch of the same shape"):
+        generator.generate(PROMPTS, settings)
+    first.close()
+    assert generator.generate(PROMPTS, settings).tokens.shape == (3, 8)
+    with pytest.raises(ArgumentError, match=r"backend options \(mode\) apply to a model"):
+        Generator(generator.backend, mode="eager")
+
+
+def test_cancellation_from_another_thread_stops_at_a_host_read(llada):
+    cancel = threading.Event()
+    cancel.set()
+    result = Generator(llada, mode="eager").generate(PROMPTS, GenerationSettings(8, 4, Fixed(8), steps_per_sync=4),
+                                                     cancel=cancel)
+    assert result.metrics.forwards_executed == 0
+    assert all(row.finish_reason == "cancelled" for row in result.rows)
