@@ -21,26 +21,30 @@ class Case(NamedTuple):
 def measure(cases: Sequence[Case], repeats: int, progress: Progress, title: str,
             warm_up: Callable[[], object] | None = None) -> list[dict]:
     """Run every case once untimed (where it compiles or captures: its `compile_s`), then `repeats`
-    times: medians and ranges, and speed-up against the first case. `warm_up` runs once before all."""
+    rounds of every case in turn, so that a machine that drifts favours none of them: medians and
+    ranges, and speed-up against the first case. `warm_up` runs once before all."""
     task = progress.add_task(title, total=len(cases) * (repeats + 1) + 1)
     if warm_up is not None:
         warm_up()
     progress.advance(task)
-    rows = []
+    firsts = []
     for case in cases:
-        first = case.run()
+        firsts.append(case.run())
         progress.advance(task)
-        runs = []
-        for _ in range(repeats):
-            runs.append(case.run())
+    runs: list[list[GenerationMetrics]] = [[] for _ in cases]
+    for _ in range(repeats):
+        for case, found in zip(cases, runs):
+            found.append(case.run())
             progress.advance(task)
-        speeds = [m.tokens_per_s for m in runs]
+    rows = []
+    for case, first, found in zip(cases, firsts, runs):
+        speeds = [m.tokens_per_s for m in found]
         rows.append({"setting": case.label,
                      "tokens_per_s": statistics.median(speeds), "tokens_per_s_range": [min(speeds), max(speeds)],
-                     "latency_s": statistics.median(m.latency_s for m in runs),
-                     "host_fraction": statistics.median(m.host_fraction for m in runs),
-                     "host_per_step_s": statistics.median(m.host_s / max(1, m.forwards_executed) for m in runs),
-                     "tpf": runs[0].tpf, "nfe": runs[0].nfe, "forwards_executed": runs[0].forwards_executed,
+                     "latency_s": statistics.median(m.latency_s for m in found),
+                     "host_fraction": statistics.median(m.host_fraction for m in found),
+                     "host_per_step_s": statistics.median(m.host_s / max(1, m.forwards_executed) for m in found),
+                     "tpf": found[0].tpf, "nfe": found[0].nfe, "forwards_executed": found[0].forwards_executed,
                      "compile_s": first.compile_s})
     for row in rows:
         row["speedup"] = row["tokens_per_s"] / rows[0]["tokens_per_s"]

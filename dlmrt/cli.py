@@ -319,14 +319,17 @@ def step_progress(console, label: str = "denoising: step {task.completed}"):
     def progress():
         with Progress(SpinnerColumn(), TextColumn("{task.description}"), transient=True,
                       console=console, disable=not console.is_terminal) as bar:
-            task = bar.add_task(label.format(task=bar.tasks[0]) if bar.tasks else "", total=None)
+            task = bar.add_task("", total=None)
+
+            def show_count():
+                bar.update(task, description=label.format(task=bar.tasks[0]))
 
             def advance():
                 bar.advance(task)
-                bar.update(task, description=label.format(task=bar.tasks[0]))
+                show_count()
 
             advance.note = lambda text: bar.update(task, description=text)
-            advance.note(label.format(task=bar.tasks[0]))
+            show_count()
             yield advance
     return progress()
 

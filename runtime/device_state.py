@@ -197,13 +197,13 @@ class DeviceState:
             getattr(self, name)[:rows].copy_(value)
         for name in ("step", "block_step", "status"):
             getattr(self, name)[:rows].zero_()
-        for name in ("z", "certainty", "kv"):
-            for half in self._model_halves(name):
-                half.narrow(0, 0, rows).zero_()
         self._pad(rows)
         self.status[-1].zero_()
         self.cfg_scale.fill_(cfg_scale)
-        if self.cache_valid is not None:
+        for residual in (self.z, self.certainty):  # no residual before the first step
+            if residual is not None:
+                residual.zero_()
+        if self.cache_valid is not None:  # the storage keeps an earlier request's K/V, masked out
             self.cache_valid.zero_()
 
     def take_rows(self, source: DeviceState, rows: Sequence[int]) -> None:
@@ -227,7 +227,7 @@ class DeviceState:
         self.canvas[start:].fill_(self.pad_id)
         self.key_mask[start:].fill_(True)
         self.positions[start:].copy_(torch.arange(self.bucket.canvas, device=self.canvas.device))
-        for name in (*_ROW_BUFFERS[3:], "status"):
+        for name in (*_ZERO_IN_PADDING, "status"):
             getattr(self, name)[start:self.bucket.batch].zero_()
         for name in ("z", "certainty", "kv"):
             for half in self._model_halves(name):
@@ -242,6 +242,7 @@ class DeviceState:
         return list(rows_first.split(self.bucket.batch)) if self.bucket.guided else [rows_first]
 
 
-# Buffers with one entry per row on their first axis, the layout's first.
-_ROW_BUFFERS = ("canvas", "key_mask", "positions", "prompt_lengths", "count", "threshold", "factor", "temperature",
-                "seed", "step", "measure", "schedule", "block_step")
+# Buffers with one entry per row on their first axis (the status has one more: the forward counter).
+_ZERO_IN_PADDING = ("prompt_lengths", "count", "threshold", "factor", "temperature", "seed", "step", "measure",
+                    "schedule", "block_step")
+_ROW_BUFFERS = ("canvas", "key_mask", "positions", *_ZERO_IN_PADDING)

@@ -69,6 +69,17 @@ class GenerationResult:
     metrics: GenerationMetrics
 
 
+def automatic_steps(budget_left: int, remaining: int, taken: int, block_length: int,
+                    tokens_per_forward: float | None) -> int:
+    """K on CUDA: as many steps as the block is expected to need still, at the tokens per forward of
+    its steps so far (once it has taken some) or of the last block, so that few steps are no-ops;
+    one step while nothing is known. `remaining` is the most masked positions a row has left."""
+    rate = (block_length - remaining) / taken if taken else tokens_per_forward
+    if not rate or rate <= 0:
+        return 1
+    return max(1, min(budget_left, int(remaining / rate)))
+
+
 class Generator:
     def __init__(self, model_or_backend, **backend_options):
         """A Generator over a backend, or over a denoiser with `TorchBackend(model, **backend_options)`
@@ -164,7 +175,7 @@ class _Run:
         self.worked = 0  # forwards that did work (the status counter, as last read)
         self.sequence_forwards = 0
         self.backend_s = self.compile_s = 0.0
-        self.tokens_per_forward = 1.0  # what an automatic K plans with, from the blocks so far
+        self.tokens_per_forward: float | None = None  # what an automatic K plans with: the last block's
         self.eos = set(spec.eos_ids)
         self.stops_at_eos = not settings.ignore_eos and len(spec.eos_ids) > 0
         self.stop_ids = (*spec.eos_ids, spec.mask_id)  # a completion ends at EOS, or where decoding stopped
@@ -200,40 +211,40 @@ class _Run:
             settings.cache, self.spec.block_causal, state.bucket.canvas, start, state.bucket.block,
             first_block=block == 0, sampling=self.sampling, confidence=settings.policy.confidence)
         taken, remaining, worked_before = 0, settings.block_length, self.worked
-        while taken < budget and remaining > 0:
-            if self.cancel is not None and self.cancel.is_set():
-                return False
-            steps = self._steps_per_sync(budget - taken, remaining)
-            calls = [(first, 1), (later, steps - 1)] if taken == 0 else [(later, steps)]
-            calls = [(kind, count) for kind, count in calls if count]
-            self.compile_s += sum(self.backend.prepare_steps(state, kind, count) for kind, count in calls)
-            tick = time.perf_counter()
-            for kind, count in calls:
-                self.backend.run(state, kind, count)
-            status = state.status.tolist()  # the one host read per K steps
-            self.backend_s += time.perf_counter() - tick
-            taken += steps
-            self.executed += steps
-            remaining = max(status[:-1])  # rows that are done or padding have none
-            self.worked = status[-1]
-            if self.on_step is not None:
-                for _ in range(steps):
-                    self.on_step()
-        done = self.worked - worked_before
-        if done:
-            self.tokens_per_forward = max(1.0, settings.block_length / done)
-        for row in self.rows:
-            self.row_forwards[row] += done
-        return True
+        try:
+            while taken < budget and remaining > 0:
+                if self.cancel is not None and self.cancel.is_set():
+                    return False
+                steps = self._steps_per_sync(budget - taken, remaining, taken)
+                calls = [(first, 1), (later, steps - 1)] if taken == 0 else [(later, steps)]
+                calls = [(kind, count) for kind, count in calls if count]
+                self.compile_s += sum(self.backend.prepare_steps(state, kind, count) for kind, count in calls)
+                tick = time.perf_counter()
+                for kind, count in calls:
+                    self.backend.run(state, kind, count)
+                status = state.status.tolist()  # the one host read per K steps
+                self.backend_s += time.perf_counter() - tick
+                taken += steps
+                self.executed += steps
+                remaining = max(status[:-1])  # rows that are done or padding have none
+                self.worked = status[-1]
+                if self.on_step is not None:
+                    for _ in range(steps):
+                        self.on_step()
+            return True
+        finally:
+            for row in self.rows:
+                self.row_forwards[row] += self.worked - worked_before
+            if taken:
+                self.tokens_per_forward = (settings.block_length - remaining) / taken
 
-    def _steps_per_sync(self, budget_left: int, remaining: int) -> int:
-        """K: steps to run before the next host read."""
+    def _steps_per_sync(self, budget_left: int, remaining: int, taken: int) -> int:
+        """K: the steps to run before the next host read."""
         if self.settings.steps_per_sync is not None:
             return min(self.settings.steps_per_sync, budget_left)
         if self.spec.device.type != "cuda":
             return 1
-        # as many steps as the block is expected to need still, so that few of them are no-ops
-        return max(1, min(budget_left, int(remaining / self.tokens_per_forward)))
+        return automatic_steps(budget_left, remaining, taken, self.settings.block_length, self.tokens_per_forward)
 
     # -- rows finishing -----------------------------------------------------------------------
     def _read_outputs(self, end: int) -> list[list[int]]:
@@ -298,9 +309,9 @@ class _Run:
         self.rows = [self.rows[index] for index in keep]
         self.slots = [self.slots[index] for index in keep]
         bucket = self.state.bucket
-        if self.rows and self.backend.ladder.batch_for(len(self.rows)) < bucket.batch:
-            smaller = self.backend.prepare(replace(bucket, batch=self.backend.ladder.batch_for(len(self.rows))),
-                                           owner=self)
+        batch = self.backend.ladder.batch_for(len(self.rows)) if self.rows else bucket.batch
+        if batch < bucket.batch:
+            smaller = self.backend.prepare(replace(bucket, batch=batch), owner=self)
             smaller.take_rows(self.state, self.slots)
             self.backend.release(self.state)
             self.state, self.slots = smaller, list(range(len(self.rows)))

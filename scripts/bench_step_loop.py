@@ -12,7 +12,7 @@ Two models:
   caches alone. Rows decode the full length (--ignore-eos), as the reference does.
 
 Each configuration runs `--repeats` times after a short warm-up; the tables show
-medians. Host overhead is the share of wall time spent outside Backend.step. On 2
+medians. Host overhead is the share of wall time spent outside the backend. On 2
 cores the whole run takes about 10 minutes, most of it the reference loop on the
 larger config.
 """

@@ -8,7 +8,7 @@ import tempfile
 import pytest
 
 from dlmrt.export import checkpoint
-from helpers import LLADA, LLADA2, Loop, random_model
+from helpers import LLADA, LLADA2, ORL, Loop, config, random_model
 
 STEPS_PER_SYNC = (1, 4, "block")
 # torch.compile's artifacts, shared by the session's tests and kept out of the user's cache.
@@ -25,6 +25,26 @@ def pytest_generate_tests(metafunc):
     if "loop" in metafunc.fixturenames:
         modes = [m.strip() for m in metafunc.config.getoption("--loop-modes").split(",") if m.strip()]
         metafunc.parametrize("loop", [Loop(mode, k) for mode in modes for k in STEPS_PER_SYNC], ids=str)
+
+
+@pytest.fixture(scope="module")
+def llada():
+    return random_model(LLADA)
+
+
+@pytest.fixture(scope="module")
+def llada2():
+    return random_model(LLADA2)
+
+
+@pytest.fixture(scope="module")
+def llada2_orl():
+    return random_model(config(LLADA2, residual_context=ORL), seed=5)
+
+
+@pytest.fixture(scope="module")
+def orl():
+    return random_model(config(LLADA, residual_context=ORL), seed=3)
 
 
 @pytest.fixture(params=["llada", "llada2_moe"])

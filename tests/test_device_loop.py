@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 import threading
 import warnings
 
@@ -16,29 +17,13 @@ from torch.overrides import TorchFunctionMode
 from dlmrt.errors import ArgumentError
 from dlmrt.runtime import Factor, Fixed, GenerationSettings, Generator, LLaDA2, Threshold, reference
 from dlmrt.runtime.torch_backend import TorchBackend
-from helpers import LLADA, LLADA2, ORL, EOSAt, config, random_model
+from helpers import EOSAt, interpret_cases, run_in_interpreter
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19, 20]]
 
 
-@pytest.fixture(scope="module")
-def llada():
-    return random_model(LLADA)
 
 
-@pytest.fixture(scope="module")
-def orl():
-    return random_model(config(LLADA, residual_context=ORL), seed=3)
-
-
-@pytest.fixture(scope="module")
-def llada2():
-    return random_model(LLADA2)
-
-
-@pytest.fixture(scope="module")
-def llada2_orl():
-    return random_model(config(LLADA2, residual_context=ORL), seed=5)
 
 
 def tokens(model, settings, prompts=PROMPTS, **backend_options):
@@ -138,6 +123,22 @@ def test_the_host_reads_the_device_once_per_k_steps(llada, k):
     assert reads.count >= blocks * math.ceil(steps / k)
 
 
+@pytest.mark.parametrize("budget_left, remaining, taken, last_rate, expected", [
+    (32, 32, 0, None, 1),  # nothing known: one step, then look
+    (31, 28, 1, None, 7),  # the first step committed 4: 28 left need 7 more
+    (31, 28, 1, 8.0, 7),  # this block's own rate wins over the last block's
+    (32, 32, 0, 8.0, 4),  # a new block starts at the last block's rate
+    (3, 28, 1, None, 3),  # never past the budget
+    (31, 31, 1, None, 31),  # one token a step: the rest of the block
+    (31, 32, 1, None, 1),  # nothing committed yet: one step
+    (24, 1, 8, None, 1),  # at least one
+])
+def test_automatic_k_plans_the_steps_the_block_still_needs(budget_left, remaining, taken, last_rate, expected):
+    from dlmrt.runtime.generator import automatic_steps
+
+    assert automatic_steps(budget_left, remaining, taken, 32, last_rate) == expected
+
+
 def test_a_large_k_runs_no_op_steps_and_changes_no_token():
     import dlmrt
     from dlmrt import tasks
@@ -235,3 +236,42 @@ def test_cancellation_from_another_thread_stops_at_a_host_read(llada):
                                                      cancel=cancel)
     assert result.metrics.forwards_executed == 0
     assert all(row.finish_reason == "cancelled" for row in result.rows)
+
+
+# -- the Triton unmask kernels inside the loop (in Triton's interpreter here; on CUDA in the GPU check) --
+TRITON_CASES = {
+    "dual, sampled, orl": (GenerationSettings(8, 4, Threshold(0.3), cache="dual", temperature=0.8, seed=1,
+                                              ignore_eos=True), True),
+    "prefix, guided, margin": (GenerationSettings(8, 4, Factor(2.0, "margin"), cache="prefix", cfg_scale=1.0,
+                                                  ignore_eos=True), False),
+}
+
+
+def run_triton_case(kernels, case):
+    """In the interpreter process: decode with the step graph's Triton unmask kernels, counting their calls."""
+    import dlmrt
+
+    launcher, calls = kernels.parallel_unmask, []
+    kernels.parallel_unmask = lambda *args, **kwargs: calls.append(1) or launcher(*args, **kwargs)
+    model = dlmrt.load(case["model"])
+    result = Generator(TorchBackend(model, mode="eager", unmask="triton")).generate(case["prompts"], case["settings"])
+    kernels.parallel_unmask = launcher
+    return result.tokens, len(calls), result.metrics.forwards_executed
+
+
+def test_the_triton_unmask_kernels_give_the_torch_tokens_inside_the_loop(llada, orl, tmp_path):
+    pytest.importorskip("triton", reason="the Triton kernels need the 'triton' extra")
+    from dlmrt.export import checkpoint
+
+    directories = {name: checkpoint.save(model, tmp_path / name) for name, model in (("llada", llada), ("orl", orl))}
+    cases = {name: {"model": str(directories["orl" if residual else "llada"]), "prompts": PROMPTS[:2],
+                    "settings": settings} for name, (settings, residual) in TRITON_CASES.items()}
+    found = run_in_interpreter(__file__, cases, tmp_path)
+    for name, (settings, residual) in TRITON_CASES.items():
+        found_tokens, kernel_calls, steps = found[name]
+        assert kernel_calls == steps > 0  # every step unmasked with the kernels
+        assert torch.equal(found_tokens, tokens(orl if residual else llada, settings, PROMPTS[:2], mode="eager")), name
+
+
+if __name__ == "__main__":
+    interpret_cases("dlmrt.plugins.parallel_unmask.triton_kernels", run_triton_case, *sys.argv[1:])

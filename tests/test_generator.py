@@ -12,30 +12,14 @@ import torch.nn.functional as F
 from dlmrt.runtime import (Factor, Fixed, GenerationSettings, Generator, LLaDA2, Residual, Threshold,
                            reference)
 from dlmrt.runtime.torch_backend import TorchBackend
-from helpers import LLADA, LLADA2, ORL, TOKENS, EOSAt, config, random_model
+from helpers import TOKENS, EOSAt
 
 MASK, EOS = TOKENS.mask_id, TOKENS.eos_ids[0]
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19, 20]]
 
 
-@pytest.fixture(scope="module")
-def llada():
-    return random_model(LLADA)
 
 
-@pytest.fixture(scope="module")
-def llada2():
-    return random_model(LLADA2)
-
-
-@pytest.fixture(scope="module")
-def llada2_orl():
-    return random_model(config(LLADA2, residual_context=ORL), seed=5)
-
-
-@pytest.fixture(scope="module")
-def orl():
-    return random_model(config(LLADA, residual_context=ORL), seed=3)
 
 
 def record_steps(backend, what):
