@@ -16,26 +16,33 @@ from dlmrt.runtime.metrics import GenerationMetrics
 class Case(NamedTuple):
     label: str
     run: Callable[[], GenerationMetrics]
+    # The runtime whose threads run the case. ONNX Runtime's threads spin after a run and slow torch
+    # down for a second after (to half speed on 2 cores), so cases of one pool never alternate with
+    # another's.
+    pool: str = "torch"
 
 
 def measure(cases: Sequence[Case], repeats: int, progress: Progress, title: str,
             warm_up: Callable[[], object] | None = None) -> list[dict]:
     """Run every case once untimed (where it compiles or captures: its `compile_s`), then `repeats`
-    rounds of every case in turn, so that a machine that drifts favours none of them: medians and
-    ranges, and speed-up against the first case. `warm_up` runs once before all."""
+    rounds of every case of a pool in turn, so that a machine that drifts favours none of them (pools
+    one after another): medians and ranges, and speed-up against the first case. `warm_up` runs once
+    before all."""
     task = progress.add_task(title, total=len(cases) * (repeats + 1) + 1)
     if warm_up is not None:
         warm_up()
     progress.advance(task)
-    firsts = []
-    for case in cases:
-        firsts.append(case.run())
-        progress.advance(task)
+    firsts: list[GenerationMetrics | None] = [None] * len(cases)
     runs: list[list[GenerationMetrics]] = [[] for _ in cases]
-    for _ in range(repeats):
-        for case, found in zip(cases, runs):
-            found.append(case.run())
+    for pool in dict.fromkeys(case.pool for case in cases):
+        members = [index for index, case in enumerate(cases) if case.pool == pool]
+        for index in members:
+            firsts[index] = cases[index].run()
             progress.advance(task)
+        for _ in range(repeats):
+            for index in members:
+                runs[index].append(cases[index].run())
+                progress.advance(task)
     rows = []
     for case, first, found in zip(cases, firsts, runs):
         speeds = [m.tokens_per_s for m in found]

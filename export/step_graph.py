@@ -44,6 +44,11 @@ GUIDED_GRAPHS = ("full_guided", "cached_guided")
 POLICY_INPUTS = ("count", "threshold", "factor", "temperature", "seed", "step", "measure")
 
 
+def check_unmask(unmask: str) -> None:
+    if unmask not in UNMASK_KERNELS:
+        raise ArgumentError(f"unmask must be one of {', '.join(UNMASK_KERNELS)}, got {unmask!r}")
+
+
 def graph_name(cached: bool, guided: bool) -> str:
     return ("cached" if cached else "full") + ("_guided" if guided else "")
 
@@ -71,8 +76,7 @@ class StepGraph(nn.Module):
         self.cached, self.guided = graph.startswith("cached"), graph.endswith("_guided")
         self.residual = model.residual_config is not None
         self.return_kv, self.sampling, self.confidence = return_kv, sampling, confidence
-        if unmask not in UNMASK_KERNELS:
-            raise ArgumentError(f"unmask must be one of {', '.join(UNMASK_KERNELS)}, got {unmask!r}")
+        check_unmask(unmask)
         self.triton_kernels = None
         if unmask == "triton":
             from dlmrt.plugins.parallel_unmask import triton_kernels
@@ -104,14 +108,12 @@ class StepGraph(nn.Module):
             cond, uncond = logits[:ids.shape[0]], logits[ids.shape[0]:]  # not chunk(): it guards the batch
             logits = uncond + (cfg_scale + 1) * (cond - uncond)
         block_ids, block_positions = ids.index_select(1, block_index), positions.index_select(1, block_index)
+        params = UnmaskParams(count, threshold, factor, temperature, seed, step)
         if exporting:
-            unmasked = torch.ops.dlmrt.parallel_unmask(logits, block_ids, block_positions, count, threshold, factor,
-                                                       temperature, seed, step, measure, mask_id)
+            unmasked = torch.ops.dlmrt.parallel_unmask(logits, block_ids, block_positions, *params, measure, mask_id)
         elif self.triton_kernels is not None:
-            params = UnmaskParams(count, threshold, factor, temperature, seed, step)
             unmasked = self.triton_kernels.parallel_unmask(logits, block_ids, block_positions, params, mask_id, measure)
         else:
-            params = UnmaskParams(count, threshold, factor, temperature, seed, step)
             unmasked = parallel_unmask(logits, block_ids, block_positions, params, mask_id=mask_id,
                                        confidence=self.confidence or measure, sampling=self.sampling)
         extra = (out.residual.z, out.residual.certainty) if self.residual else ()

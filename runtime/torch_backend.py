@@ -33,7 +33,7 @@ from torch import Tensor
 
 from dlmrt.errors import ArgumentError
 from dlmrt.export.models import Denoiser
-from dlmrt.export.step_graph import UNMASK_KERNELS, StepGraph
+from dlmrt.export.step_graph import StepGraph, check_unmask
 from dlmrt.runtime import device_step, onednn
 from dlmrt.runtime.backend import Backend, ModelSpec
 from dlmrt.runtime.device_state import BucketLadder, DeviceState
@@ -100,8 +100,7 @@ class TorchBackend(Backend):
             canvas_hint="raise it with TorchBackend(max_length=...), up to the model's context"))
         self.model = model
         self.mode = resolve_mode(mode, spec.device)
-        if unmask not in UNMASK_KERNELS:
-            raise ArgumentError(f"unmask must be one of {', '.join(UNMASK_KERNELS)}, got {unmask!r}")
+        check_unmask(unmask)
         self.unmask = unmask  # the unmasking step's kernels: "torch" (its reference) or "triton"
         self.falls_back = mode == "auto"  # to eager, when a bucket fails to compile or capture
         self._graphs: dict[tuple, _TorchGraph] = {}

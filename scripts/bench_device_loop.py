@@ -10,8 +10,9 @@ dual cache, the full length (--ignore-eos). Cases:
   host reads), and OrtBackend on the exported graphs;
 - every case must give exactly the tokens of eager K = 1 (the table says whether it does);
 - tokens/s is the median of `--repeats` runs after one untimed run (where compiling happens; its
-  time is the compile column); host time per step is the loop's time outside the backend, per
-  forward run.
+  time is the compile column), the torch cases in turn round by round, then ONNX Runtime's (whose
+  spinning threads would slow the torch case run after them); host time per step is the loop's
+  time outside the backend, per forward run.
 
 The GEMM rate: every linear layer call of one eager generate (its weight and row count) is
 recorded, then replayed alone, with torch's default BLAS (`F.linear`) and with oneDNN on prepacked
@@ -186,9 +187,10 @@ def main() -> int:
                 result = generator.generate([prompt], run_settings)
                 tokens[label] = result.tokens
                 return result.metrics
-            return Case(label, run)
+            return Case(label, run, pool="onnxruntime" if label.startswith("onnxruntime") else "torch")
 
         rows = measure([case(label) for label in generators], args.repeats, progress, "decoding")
+        time.sleep(2)  # until ONNX Runtime's spinning threads go idle: they would slow the replay
         calls = linear_calls(model, [prompt], settings)
         gemm = gemm_replay(calls, args.repeats)
         reference = tokens["eager, K=1"]

@@ -45,7 +45,8 @@ def compare(model, export_dir, prompts, gen_length, block_length, cache, repeats
                                                                cache=cache))
 
     cases = [Case(f"torch eager, cache {cache}", lambda: torch_generator.generate(prompts, settings).metrics),
-             Case(f"onnxruntime, cache {cache}", lambda: ort_generator.generate(prompts, settings).metrics)]
+             Case(f"onnxruntime, cache {cache}", lambda: ort_generator.generate(prompts, settings).metrics,
+                  pool="onnxruntime")]
     return measure(cases, repeats, progress, title, warm_up)
 
 

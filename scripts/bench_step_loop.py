@@ -78,10 +78,10 @@ def agreement(model, prompts, gen_length, block_length, examples, progress) -> l
         baseline = None
         for cache in ("none", "prefix", "dual"):
             settings = GenerationSettings(gen_length, block_length, policy, cache=cache, ignore_eos=True)
-            tokens = Generator(model, mode="eager").generate(prompts, settings).tokens
+            tokens = Generator(model, mode="eager", max_batch=len(prompts)).generate(prompts, settings).tokens
             if baseline is None:
                 baseline = tokens
-            score = exact_match(model, examples, settings)
+            score = exact_match(model, examples, settings, mode="eager")
             rows.append({"policy": policy.name, "cache": cache,
                          "token_agreement": float((tokens == baseline).float().mean()),
                          "rows_identical": float((tokens == baseline).all(-1).float().mean()),
