@@ -246,12 +246,13 @@ def generate(model_dir, prompts, prompt_ids, ignore_eos, backend, mode, max_batc
 
 def ensure_exported(model_dir: Path, dtype: str, console) -> Path:
     """`model_dir` if it is an export, else its export in the cache (made on first use)."""
-    from dlmrt.export.onnx_export import MANIFEST, cached_export_dir, export
+    from dlmrt.export.export_manifest import ExportManifest
+    from dlmrt.export.onnx_export import cached_export_dir, export
 
-    if (model_dir / MANIFEST).is_file():
+    if ExportManifest.present(model_dir):
         return model_dir
     target = cached_export_dir(model_dir, dtype)
-    if not (target / MANIFEST).is_file():
+    if not ExportManifest.present(target):
         import dlmrt
 
         with console.status(f"exporting {model_dir} to {target} (once)"):
@@ -282,7 +283,8 @@ def export_command(model_dir, output, opset, dtype, block_length, max_batch, max
     from rich.table import Table
 
     import dlmrt
-    from dlmrt.export.onnx_export import GRAPHS, MANIFEST, export
+    from dlmrt.export.export_manifest import ExportManifest
+    from dlmrt.export.onnx_export import GRAPHS, export
 
     console = Console(stderr=True)
     model = dlmrt.load(model_dir or TINY_MODEL_DIR, dtype=dtype)
@@ -290,17 +292,17 @@ def export_command(model_dir, output, opset, dtype, block_length, max_batch, max
             as advance:
         export(model, output, opset=opset, block_length=block_length, max_batch=max_batch,
                max_length=max_length, guidance=guidance, on_graph=lambda graph: advance())
-    manifest = json.loads((output / MANIFEST).read_text())
-    table = Table(title=f"{output} ({manifest['exported_s']} s)")
+    manifest = ExportManifest.read(output)
+    table = Table(title=f"{output} ({manifest.exported_s} s)")
     for column in ("file", "bytes", "sha256"):
         table.add_column(column)
-    for name, digest in manifest["files"].items():
+    for name, digest in manifest.files.items():
         table.add_row(name, f"{(output / name).stat().st_size:,}", digest[:16])
     Console().print(table)
     if verify:
         from dlmrt.export.verify import compare_with_torch
 
-        grid = manifest["model"]["block_grid"]
+        grid = manifest.model.block_grid
         failed = [graph for graph, ok in compare_with_torch(model, output, grid).items() if not ok]
         if failed:
             raise UserError(f"{', '.join(failed)}: ONNX Runtime's outputs differ from the torch step's "

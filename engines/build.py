@@ -47,7 +47,7 @@ def check_export(plan: BuildPlan) -> None:
         found = sha256_of(export_dir / graph.onnx)
         if found != graph.sha256:
             raise PlanError(f"{export_dir / graph.onnx} changed since it was exported (sha256 {found[:16]}…, "
-                            f"dlmrt.json says {graph.sha256[:16]}…): export again")
+                            f"the export's manifest records {graph.sha256[:16]}…): export again")
 
 
 def graphs_to_parse(plan: BuildPlan, staging: Path, quantize: Callable[[GraphPlan, Path], None] | None,

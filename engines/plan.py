@@ -18,9 +18,9 @@ import onnx
 from dlmrt.engines import plugin_specs, profiles
 from dlmrt.engines.targets import Target, check_precision
 from dlmrt.errors import DlmrtError
+from dlmrt.export.export_manifest import ExportManifest
 
 PLAN_VERSION = 1
-EXPORT_MANIFEST = "dlmrt.json"
 DEFAULT_GRAPHS = ("full", "cached")
 # Builder flags per precision on TensorRT 10.x; 11.x has none (precision comes from the graph). The
 # 16-bit flag lets the layers that are not quantized run in reduced precision too.
@@ -81,17 +81,6 @@ class BuildPlan:
         return f"{self.target}-{self.precision}"
 
 
-def read_export(export_dir: Path) -> dict:
-    manifest_path = export_dir / EXPORT_MANIFEST
-    if not manifest_path.is_file():
-        raise PlanError(f"{export_dir} is not a dlmrt export (no {EXPORT_MANIFEST}): make one with "
-                        f"`dlmrt export MODEL_DIR -o {export_dir}`")
-    try:
-        return json.loads(manifest_path.read_text())
-    except json.JSONDecodeError as error:
-        raise PlanError(f"{manifest_path} is not valid JSON ({error}): re-export the model") from None
-
-
 def _block_length(export_dir: Path) -> int:
     """The model's default block length (the window most steps run over), from its generation config."""
     path = export_dir / "generation_config.json"
@@ -120,12 +109,12 @@ def make_plan(export_dir: str | Path, target: Target, precision: str, *, tensorr
     """The plan for building `graphs` of the export in `export_dir`; profile dimensions not in `ranges`
     cover the export's limits, tuned for the target's batch and the model's block length."""
     export_dir = Path(export_dir)
-    export = read_export(export_dir)
+    export = ExportManifest.read(export_dir)
     if opt_window is None:
         opt_window = _block_length(export_dir)
     check_precision(target, precision)
     typing = typing_for(tensorrt)
-    export_dtype = export["model"]["dtype"]
+    export_dtype = export.model.dtype
     notes = []
     if typing == "strongly-typed" and precision in GRAPH_DTYPE and export_dtype != GRAPH_DTYPE[precision]:
         raise PlanError(
@@ -135,17 +124,16 @@ def make_plan(export_dir: str | Path, target: Target, precision: str, *, tensorr
     if typing == "strongly-typed" and precision in QUANTIZERS and export_dtype == "float32":
         notes.append(f"strongly typed: layers outside the {precision} Q/DQ pairs run in float32, as the export "
                      f"is; export in bfloat16 to run them in bf16")
-    missing = [graph for graph in graphs if graph not in export["graphs"]]
+    missing = [graph for graph in graphs if graph not in export.graphs]
     if missing:
         hint = " (export with --guidance)" if any(g.endswith("_guided") for g in missing) else ""
         raise PlanError(f"{export_dir} has no {', '.join(missing)} graph{'s' * (len(missing) > 1)}{hint}: "
-                        f"it has {', '.join(export['graphs'])}")
-    chosen = profiles.default_ranges(export["limits"], target.opt_batch, opt_window)
+                        f"it has {', '.join(export.graphs)}")
+    chosen = profiles.default_ranges(export.limits, target.opt_batch, opt_window)
     chosen.update(ranges or {})
-    profiles.check_within_limits(chosen, export["limits"])
-    graph_plans = [GraphPlan(graph, export["graphs"][graph]["file"],
-                             export["files"][export["graphs"][graph]["file"]],
-                             profiles.input_shapes(export["graphs"][graph]["inputs"], chosen))
+    profiles.check_within_limits(chosen, export.limits)
+    graph_plans = [GraphPlan(graph, export.graphs[graph].file, export.graph_sha256(graph),
+                             profiles.input_shapes(export.graphs[graph].inputs, chosen))
                    for graph in graphs]
     options = BuildOptions(workspace_bytes if workspace_bytes is not None else target.workspace_bytes,
                            optimization_level if optimization_level is not None else target.optimization_level,
@@ -156,7 +144,7 @@ def make_plan(export_dir: str | Path, target: Target, precision: str, *, tensorr
         raise PlanError(f"--workspace must be positive, got {options.workspace_bytes} bytes")
     quantization = ({"method": QUANTIZERS[precision], "calibration": calibration, "samples": calibration_samples}
                     if precision in QUANTIZERS else None)
-    model = export["model"]["name"]
+    model = export.model.name
     return BuildPlan(
         model=model, export_dir=str(export_dir.resolve()), target=target.name,
         compute_capability=list(target.compute_capability), precision=precision, tensorrt=tensorrt,

@@ -9,9 +9,11 @@ follow from the graph's contract.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dlmrt.errors import DlmrtError
+from dlmrt.export.export_manifest import ExportLimits, TensorContract
 
 DIMENSIONS = ("batch", "window", "block", "prefix")
 _EXPRESSION = re.compile(r"^(?:(\d+)\*)?([A-Za-z_]\w*)$")
@@ -51,17 +53,17 @@ def parse_range(text: str, dimension: str) -> DimRange:
     return DimRange(low, opt, high)
 
 
-def default_ranges(limits: dict, opt_batch: int, opt_window: int) -> dict[str, DimRange]:
+def default_ranges(limits: ExportLimits, opt_batch: int, opt_window: int) -> dict[str, DimRange]:
     """Ranges that cover everything the export allows, tuned for `opt_batch` rows of `opt_window`."""
-    batch, length = limits["max_batch"], limits["max_length"]
+    batch, length = limits.max_batch, limits.max_length
     window = min(opt_window, length)
     return {"batch": DimRange(1, min(opt_batch, batch), batch), "window": DimRange(1, window, length),
             "block": DimRange(1, window, length), "prefix": DimRange(1, max(1, length // 2), length)}
 
 
-def check_within_limits(ranges: dict[str, DimRange], limits: dict) -> None:
-    bound = {"batch": limits["max_batch"], "window": limits["max_length"], "block": limits["max_length"],
-             "prefix": limits["max_length"]}
+def check_within_limits(ranges: dict[str, DimRange], limits: ExportLimits) -> None:
+    bound = {"batch": limits.max_batch, "window": limits.max_length, "block": limits.max_length,
+             "prefix": limits.max_length}
     for name, dim in ranges.items():
         if dim.max > bound[name]:
             limit = "max-batch" if name == "batch" else "max-length"
@@ -81,15 +83,15 @@ def evaluate(dim: str | int, ranges: dict[str, DimRange]) -> list[int]:
     return [factor * value for value in ranges[match.group(2)].as_list()]
 
 
-def input_shapes(contract: list[dict], ranges: dict[str, DimRange]) -> dict[str, list[list[int]]]:
+def input_shapes(contract: Sequence[TensorContract], ranges: dict[str, DimRange]) -> dict[str, list[list[int]]]:
     """{input: [min_shape, opt_shape, max_shape]} for every input with a dynamic axis."""
     shapes = {}
     for tensor in contract:
-        dims = tensor["shape"]
+        dims = tensor.shape
         if all(isinstance(dim, int) for dim in dims):
             continue
         per_axis = [evaluate(dim, ranges) for dim in dims]
-        shapes[tensor["name"]] = [[axis[i] for axis in per_axis] for i in range(3)]
+        shapes[tensor.name] = [[axis[i] for axis in per_axis] for i in range(3)]
     return shapes
 
 

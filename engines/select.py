@@ -13,10 +13,10 @@ from pathlib import Path
 
 from dlmrt.engines import manifest as manifests
 from dlmrt.engines import targets
-from dlmrt.engines.plan import read_export
 from dlmrt.engines.plugin_specs import outdated
 from dlmrt.engines.store import EngineStore
 from dlmrt.errors import DlmrtError
+from dlmrt.export.export_manifest import ExportManifest
 
 
 class EngineMismatch(DlmrtError):
@@ -42,8 +42,8 @@ def select(store: EngineStore, export_dir: str | Path, *, capability: tuple[int,
     """The store's engine for the export in `export_dir` on a GPU of `capability` under TensorRT
     `tensorrt_version`; `precision` None takes the target's default precision."""
     export_dir = Path(export_dir)
-    export = read_export(export_dir)
-    model = export["model"]["name"]
+    export = ExportManifest.read(export_dir)
+    model = export.model.name
     target = targets.target_for_capability(capability)
     precision = precision or target.default_precision
     targets.check_precision(target, precision)
@@ -63,7 +63,7 @@ def select(store: EngineStore, export_dir: str | Path, *, capability: tuple[int,
     return Selected(entry, record)
 
 
-def _mismatches(record: dict, export: dict, capability: tuple[int, int], tensorrt_version: str,
+def _mismatches(record: dict, export: ExportManifest, capability: tuple[int, int], tensorrt_version: str,
                 graphs: tuple[str, ...]) -> list[str]:
     found = []
     wanted_capability = ".".join(map(str, capability))
@@ -75,12 +75,11 @@ def _mismatches(record: dict, export: dict, capability: tuple[int, int], tensorr
     found += [f"it holds plugin {plugin}" for plugin in outdated(record["plugins"])]
     for graph in graphs:
         info = record["graphs"].get(graph)
-        exported = export["graphs"].get(graph)
         if info is None:
             found.append(f"it has no {graph} engine")
-        elif exported is None:
+        elif graph not in export.graphs:
             found.append(f"the export has no {graph} graph")
-        elif info["onnx_sha256"] != export["files"][exported["file"]]:
+        elif info["onnx_sha256"] != export.graph_sha256(graph):
             found.append(f"its {graph} engine was built from another export of this model (sha256 "
-                         f"{info['onnx_sha256'][:16]}…, the export's is {export['files'][exported['file']][:16]}…)")
+                         f"{info['onnx_sha256'][:16]}…, the export's is {export.graph_sha256(graph)[:16]}…)")
     return found

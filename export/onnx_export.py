@@ -4,6 +4,7 @@
     OUT_DIR/step_cached.onnx   the step over a cached prefix
     OUT_DIR/dlmrt.json         model, graphs and their input/output contract, special token ids,
                                dimension limits, opset, and the sha256 of every file
+                               (`export_manifest.ExportManifest` reads and writes it)
     OUT_DIR/tokenizer.json, generation_config.json   copied from the model, so the directory is
                                all a runtime needs
 
@@ -30,14 +31,13 @@ import torch
 
 from dlmrt import __version__, atomic
 from dlmrt.errors import ArgumentError, UnsupportedFeatureError
-from dlmrt.export.models import Denoiser
+from dlmrt.export.export_manifest import ExportLimits, ExportManifest, GraphEntry, ModelFacts, TensorContract
+from dlmrt.export.models import Denoiser, SpecialTokens
 from dlmrt.export.step_graph import GRAPHS, GUIDED_GRAPHS, StepGraph, input_names, output_names
 from dlmrt.hashing import sha256_of
 from dlmrt.plugins.parallel_unmask import MEASURE_CODES, onnx_function
 from dlmrt.plugins.residual_context import onnx_function as residual_function
 
-MANIFEST = "dlmrt.json"
-FORMAT_VERSION = 1
 DEFAULT_OPSET = 18
 # Beyond this, weights go to external data files (protobuf caps a file at 2 GiB).
 EXTERNAL_DATA_BYTES = 1 << 30
@@ -175,14 +175,14 @@ def save_graph(onnx_model: onnx.ModelProto, path: Path) -> None:
                     location=f"{path.name}.data")
 
 
-def _tensor_contract(values) -> list[dict]:
+def _tensor_contract(values) -> tuple[TensorContract, ...]:
     contract = []
     for value in values:
         tensor = value.type.tensor_type
-        shape = [d.dim_param or d.dim_value for d in tensor.shape.dim]
-        contract.append({"name": value.name, "dtype": onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type).name,
-                         "shape": shape})
-    return contract
+        contract.append(TensorContract(name=value.name,
+                                       dtype=onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type).name,
+                                       shape=tuple(d.dim_param or d.dim_value for d in tensor.shape.dim)))
+    return tuple(contract)
 
 
 def export(model: Denoiser, out_dir: str | Path, *, opset: int = DEFAULT_OPSET, block_length: int | None = None,
@@ -211,29 +211,26 @@ def export(model: Denoiser, out_dir: str | Path, *, opset: int = DEFAULT_OPSET, 
             path = staging / graph_file(graph)
             save_graph(onnx_model, path)
             onnx.checker.check_model(path, full_check=True)
-            graphs[graph] = {"file": path.name, "inputs": _tensor_contract(onnx_model.graph.input),
-                             "outputs": _tensor_contract(onnx_model.graph.output)}
+            graphs[graph] = GraphEntry(file=path.name, inputs=_tensor_contract(onnx_model.graph.input),
+                                       outputs=_tensor_contract(onnx_model.graph.output))
             if on_graph is not None:
                 on_graph(graph)
         if model.tokenizer is not None:  # so that an export directory is all a runtime needs
             atomic.write_text(staging / "tokenizer.json", model.tokenizer.to_str())
         atomic.write_text(staging / "generation_config.json", json.dumps(model.generation_config, indent=2))
         files = {p.name: sha256_of(p) for p in sorted(staging.iterdir()) if p.is_file()}
-        manifest = {
-            "format_version": FORMAT_VERSION, "dlmrt_version": __version__, "torch_version": torch.__version__,
-            "onnx_version": onnx.__version__, "opset": opset, "exported_s": round(time.perf_counter() - started, 2),
-            "model": {"name": model.name, "model_type": model.model_type, "dtype": str(model.dtype).split(".")[-1],
-                      "vocab_size": model.vocab_size, "hidden_size": model.hidden_size,
-                      "num_layers": model.num_layers, "num_kv_heads": model.num_kv_heads,
-                      "head_dim": model.head_dim, "max_positions": model.max_positions,
-                      "block_causal": model.block_causal, "block_grid": grid,
-                      "residual": model.residual_config is not None},
-            "tokens": {"mask_id": model.tokens.mask_id, "eos_ids": list(model.tokens.eos_ids),
-                       "pad_id": model.tokens.pad_id},
-            "limits": {"max_batch": max_batch, "max_length": max_length},
-            "graphs": graphs, "files": files,
-        }
-        atomic.write_text(staging / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+        ExportManifest(
+            model=ModelFacts(name=model.name, model_type=model.model_type, dtype=str(model.dtype).split(".")[-1],
+                             vocab_size=model.vocab_size, hidden_size=model.hidden_size,
+                             num_layers=model.num_layers, num_kv_heads=model.num_kv_heads,
+                             head_dim=model.head_dim, max_positions=model.max_positions,
+                             block_causal=model.block_causal, block_grid=grid,
+                             residual=model.residual_config is not None),
+            tokens=SpecialTokens(model.tokens.mask_id, tuple(model.tokens.eos_ids), model.tokens.pad_id),
+            limits=ExportLimits(max_batch=max_batch, max_length=max_length), graphs=graphs, files=files,
+            opset=opset, dlmrt_version=__version__, torch_version=torch.__version__,
+            onnx_version=onnx.__version__, exported_s=round(time.perf_counter() - started, 2),
+        ).save(staging)
     return out_dir
 
 

@@ -10,7 +10,8 @@ import numpy as np
 import torch
 
 from dlmrt.export.models import Denoiser
-from dlmrt.export.onnx_export import MANIFEST, graph_file
+from dlmrt.export.export_manifest import ExportManifest
+from dlmrt.export.onnx_export import graph_file
 from dlmrt.export.step_graph import StepGraph, input_names, output_names
 from dlmrt.plugins.parallel_unmask import MEASURE_CODES
 
@@ -55,11 +56,9 @@ def compare_with_torch(model: Denoiser, export_dir: str | Path, grid: int | None
     from polygraphy.comparator import Comparator, IterationResult
     from polygraphy.comparator.compare import SimpleCompareFunc
 
-    import json
-
     residual = model.residual_config is not None
     results = {}
-    for graph in json.loads((Path(export_dir) / MANIFEST).read_text())["graphs"]:
+    for graph in ExportManifest.read(export_dir).graphs:
         feeds = sample_feeds(model, graph)
         runner = OnnxrtRunner(SessionFromOnnx(str(Path(export_dir) / graph_file(graph))))
         run = Comparator.run([runner], data_loader=[feeds])

@@ -20,6 +20,9 @@ import torch
 from dlmrt.errors import ArgumentError
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
+    from dlmrt.export.export_manifest import ExportManifest
     from dlmrt.runtime.device_state import Bucket, BucketLadder, DeviceState
     from dlmrt.runtime.device_step import StepKind
 
@@ -46,6 +49,19 @@ class ModelSpec:
     limits_hint: str = ""
     block_grid: int | None = None  # the block-causal grid a compiled graph was built with
     supports_guidance: bool = True
+
+    @classmethod
+    def of_export(cls, manifest: ExportManifest, export_dir: Path, device: torch.device) -> ModelSpec:
+        """The spec of the graphs in an export directory, from its manifest alone."""
+        model, tokens = manifest.model, manifest.tokens
+        return cls(
+            name=model.name, vocab_size=model.vocab_size, hidden_size=model.hidden_size,
+            num_layers=model.num_layers, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
+            max_positions=manifest.limits.max_length, mask_id=tokens.mask_id, eos_ids=tokens.eos_ids,
+            pad_id=tokens.pad_id, block_causal=model.block_causal, has_residual=model.residual,
+            dtype=getattr(torch, model.dtype), device=device,
+            limits_hint=f"re-export with `dlmrt export ... -o {export_dir} --max-batch B --max-length N`",
+            block_grid=model.block_grid, supports_guidance=manifest.supports_guidance)
 
 
 class Backend(ABC):

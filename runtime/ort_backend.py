@@ -21,10 +21,9 @@ import onnx
 import onnx.inliner
 import torch
 
-from dlmrt.errors import ArgumentError, CheckpointError
+from dlmrt.errors import ArgumentError
+from dlmrt.export.export_manifest import ExportManifest
 from dlmrt.export.models.denoiser import SpecialTokens
-from dlmrt.export.onnx_export import FORMAT_VERSION, MANIFEST
-from dlmrt.hashing import sha256_of
 from dlmrt.runtime import device_step
 from dlmrt.runtime.backend import Backend, ModelSpec
 from dlmrt.runtime.device_state import BucketLadder, DeviceState
@@ -32,47 +31,6 @@ from dlmrt.runtime.device_step import GraphOutputs, StepKind
 
 OPTIMIZATION_LEVELS = ("disable", "basic", "extended", "all")
 _NUMPY = {torch.float32: np.float32, torch.float16: np.float16, torch.int64: np.int64, torch.bool: np.bool_}
-
-
-def read_manifest(export_dir: str | Path) -> dict:
-    """The export's manifest (its files unchecked)."""
-    export_dir = Path(export_dir)
-    path = export_dir / MANIFEST
-    if not path.is_file():
-        raise CheckpointError(f"{export_dir} is not a dlmrt export (no {MANIFEST}): create one with "
-                              f"`dlmrt export MODEL_DIR -o {export_dir}`")
-    manifest = json.loads(path.read_text())
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"{path} has format version {manifest.get('format_version')}, this dlmrt reads "
-                              f"{FORMAT_VERSION}: re-export the model")
-    return manifest
-
-
-def load_manifest(export_dir: str | Path) -> dict:
-    """The export's manifest, after checking every file against its recorded sha256."""
-    export_dir = Path(export_dir)
-    manifest = read_manifest(export_dir)
-    for name, expected in manifest["files"].items():
-        file = export_dir / name
-        if not file.is_file():
-            raise CheckpointError(f"{file} is missing from the export: re-export the model")
-        found = sha256_of(file)
-        if found != expected:
-            raise CheckpointError(f"{file} was changed after export (sha256 {found[:12]}..., the manifest records "
-                                  f"{expected[:12]}...): re-export the model with `dlmrt export`")
-    return manifest
-
-
-def spec_from_manifest(manifest: dict, export_dir: Path) -> ModelSpec:
-    model, tokens, limits = manifest["model"], manifest["tokens"], manifest["limits"]
-    return ModelSpec(
-        name=model["name"], vocab_size=model["vocab_size"], hidden_size=model["hidden_size"],
-        num_layers=model["num_layers"], num_kv_heads=model["num_kv_heads"], head_dim=model["head_dim"],
-        max_positions=limits["max_length"], mask_id=tokens["mask_id"], eos_ids=tuple(tokens["eos_ids"]),
-        pad_id=tokens["pad_id"], block_causal=model["block_causal"], has_residual=model["residual"],
-        dtype=getattr(torch, model["dtype"]), device=torch.device("cpu"),
-        limits_hint=f"re-export with `dlmrt export ... -o {export_dir} --max-batch B --max-length N`",
-        block_grid=model["block_grid"], supports_guidance="full_guided" in manifest["graphs"])
 
 
 @dataclass
@@ -91,13 +49,11 @@ class ExportedModel:
         from tokenizers import Tokenizer
 
         export_dir = Path(export_dir)
-        manifest = read_manifest(export_dir)
-        tokens, model = manifest["tokens"], manifest["model"]
+        manifest = ExportManifest.read(export_dir)
         tokenizer_path = export_dir / "tokenizer.json"
         generation_path = export_dir / "generation_config.json"
-        return cls(name=model["name"],
-                   tokens=SpecialTokens(tokens["mask_id"], tuple(tokens["eos_ids"]), tokens["pad_id"]),
-                   block_causal=model["block_causal"], default_block_length=model["block_grid"],
+        return cls(name=manifest.model.name, tokens=manifest.tokens, block_causal=manifest.model.block_causal,
+                   default_block_length=manifest.model.block_grid,
                    tokenizer=Tokenizer.from_file(str(tokenizer_path)) if tokenizer_path.is_file() else None,
                    generation_config=json.loads(generation_path.read_text()) if generation_path.is_file() else {})
 
@@ -132,21 +88,21 @@ class OrtBackend(Backend):
         import onnxruntime as ort
 
         self.export_dir = Path(export_dir)
-        self.manifest = load_manifest(self.export_dir)
-        spec = spec_from_manifest(self.manifest, self.export_dir)
-        limits = self.manifest["limits"]
-        super().__init__(spec, BucketLadder(limits["max_batch"], limits["max_length"], batch_hint=spec.limits_hint,
+        self.manifest = ExportManifest.load(self.export_dir)
+        spec = ModelSpec.of_export(self.manifest, self.export_dir, torch.device("cpu"))
+        limits = self.manifest.limits
+        super().__init__(spec, BucketLadder(limits.max_batch, limits.max_length, batch_hint=spec.limits_hint,
                                             canvas_hint=spec.limits_hint))
         if optimization not in OPTIMIZATION_LEVELS:
             raise ArgumentError(f"optimization must be one of {', '.join(OPTIMIZATION_LEVELS)}, got {optimization!r}")
         available = ort.get_available_providers()
         providers = providers or [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in available]
         if self.spec.dtype not in _NUMPY:
-            raise ArgumentError(f"{self.export_dir} holds {self.manifest['model']['dtype']} graphs, which ONNX "
+            raise ArgumentError(f"{self.export_dir} holds {self.manifest.model.dtype} graphs, which ONNX "
                                 f"Runtime cannot run here (its CPU provider has no bfloat16 kernels): export in "
                                 f"float32 or float16 for ONNX Runtime; bfloat16 exports are for TensorRT")
         self.sessions = {}
-        for graph, entry in self.manifest["graphs"].items():
+        for graph, entry in self.manifest.graphs.items():
             options = ort.SessionOptions()
             options.graph_optimization_level = {
                 "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
@@ -155,12 +111,12 @@ class OrtBackend(Backend):
                 "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}[optimization]
             if threads is not None:
                 options.intra_op_num_threads = threads
-            source: str | bytes = str(self.export_dir / entry["file"])
-            external = f"{entry['file']}.data" in self.manifest["files"]
+            source: str | bytes = str(self.export_dir / entry.file)
+            external = f"{entry.file}.data" in self.manifest.files
             if optimized_model_dir is not None and not external:  # >2 GiB models are not re-serialized
                 # Keyed by the graph's sha256 and the level: an optimized model saved by an earlier
                 # session loads as it is, and a changed export never picks up a stale one.
-                digest = self.manifest["files"][entry["file"]][:16]
+                digest = self.manifest.graph_sha256(graph)[:16]
                 saved = Path(optimized_model_dir) / f"{graph}-{digest}-{optimization}.onnx"
                 if saved.is_file():
                     source = str(saved)

@@ -13,6 +13,7 @@ from dlmrt.engines import plan as plans
 from dlmrt.engines import preflight, profiles, targets
 from dlmrt.engines.plan import PlanError, make_plan
 from dlmrt.engines.profiles import DimRange, ProfileError
+from dlmrt.export.export_manifest import ExportManifest, ExportManifestError, TensorContract
 
 
 def plan_for(export_dir, tmp_path, target="sm_90", precision="bf16", tensorrt="10.13", **options):
@@ -66,28 +67,27 @@ def test_malformed_ranges_are_refused(text):
 def test_shapes_follow_the_contract_including_scaled_dimensions():
     ranges = {"batch": DimRange(1, 2, 4), "prefix": DimRange(1, 16, 32), "window": DimRange(1, 8, 8),
               "block": DimRange(1, 8, 8)}
-    contract = [{"name": "past_kv", "shape": [4, 2, "2*batch", 2, "prefix", 32]},
-                {"name": "cfg_scale", "shape": [1]}, {"name": "ids", "shape": ["batch", "window"]}]
+    contract = [TensorContract("past_kv", "float32", (4, 2, "2*batch", 2, "prefix", 32)),
+                TensorContract("cfg_scale", "float32", (1,)), TensorContract("ids", "int64", ("batch", "window"))]
     shapes = profiles.input_shapes(contract, ranges)
     assert shapes["past_kv"] == [[4, 2, 2, 2, 1, 32], [4, 2, 4, 2, 16, 32], [4, 2, 8, 2, 32, 32]]
     assert "cfg_scale" not in shapes  # static inputs need no profile
     assert profiles.trtexec_flags({"ids": shapes["ids"]}) == [
         "--minShapes=ids:1x1", "--optShapes=ids:2x8", "--maxShapes=ids:4x8"]
     with pytest.raises(ProfileError, match="'heads'"):
-        profiles.input_shapes([{"name": "x", "shape": ["heads"]}], ranges)
+        profiles.input_shapes([TensorContract("x", "float32", ("heads",))], ranges)
 
 
 # ---- plans ------------------------------------------------------------------------------------------------
 
 def test_default_plan_covers_the_exports_limits(tiny_export, tmp_path):
     plan = plan_for(tiny_export, tmp_path)
-    export = json.loads((tiny_export / "dlmrt.json").read_text())
-    assert plan.ranges["batch"] == f"1:1:{export['limits']['max_batch']}"
-    assert plan.ranges["prefix"].endswith(f":{export['limits']['max_length']}")
+    export = ExportManifest.read(tiny_export)
+    assert plan.ranges["batch"] == f"1:1:{export.limits.max_batch}"
+    assert plan.ranges["prefix"].endswith(f":{export.limits.max_length}")
     assert plan.ranges["window"].split(":")[1] == "8"  # the tiny model's block length
     assert [graph.name for graph in plan.graphs] == ["full", "cached"]
-    assert {graph.sha256 for graph in plan.graphs} == {export["files"]["step_full.onnx"],
-                                                         export["files"]["step_cached.onnx"]}
+    assert {graph.sha256 for graph in plan.graphs} == {export.files["step_full.onnx"], export.files["step_cached.onnx"]}
     assert plan.output == str(tmp_path / "store" / "tiny-llada" / "sm_90-bf16")
     assert plan.plugins == [{"name": "ParallelUnmask", "namespace": "dlmrt", "version": "1"}]
     json.loads(plan.to_json())
@@ -111,7 +111,7 @@ def test_plans_refuse_what_the_export_cannot_give(tiny_export, tmp_path):
         plan_for(tiny_export, tmp_path, graphs=("full", "full_guided"))
     with pytest.raises(ProfileError, match="max-batch"):
         plan_for(tiny_export, tmp_path, ranges={"batch": DimRange(1, 4, 64)})
-    with pytest.raises(PlanError, match="not a dlmrt export"):
+    with pytest.raises(ExportManifestError, match="not a dlmrt export"):
         plan_for(tmp_path, tmp_path)
     with pytest.raises(PlanError, match="optimization-level"):
         plan_for(tiny_export, tmp_path, optimization_level=9)

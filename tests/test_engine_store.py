@@ -26,6 +26,7 @@ from dlmrt.engines import build, builder, manifest, targets
 from dlmrt.engines.plan import make_plan
 from dlmrt.engines.select import EngineMismatch, select
 from dlmrt.engines.store import EngineStore, StoreError
+from dlmrt.export.export_manifest import ExportManifest
 
 TENSORRT = "10.13.0.35"
 CAPABILITY = (9, 0)
@@ -63,9 +64,9 @@ def test_a_build_writes_engines_timing_cache_and_a_manifest_that_inspect_checks(
     assert sorted(p.relative_to(entry).as_posix() for p in entry.rglob("*") if p.is_file()) == [
         "cached/engine.plan", "full/engine.plan", "manifest.json", "timing.cache"]
     record = manifest.read(entry)
-    export = json.loads((tiny_export / "dlmrt.json").read_text())
-    assert record["graphs"]["full"]["onnx_sha256"] == export["files"]["step_full.onnx"]
-    assert record["graphs"]["full"]["built_from_sha256"] == export["files"]["step_full.onnx"]
+    export = ExportManifest.read(tiny_export)
+    assert record["graphs"]["full"]["onnx_sha256"] == export.graph_sha256("full")
+    assert record["graphs"]["full"]["built_from_sha256"] == export.graph_sha256("full")
     assert (record["compute_capability"], record["tensorrt_version"], record["precision"]) == (
         "9.0", TENSORRT, "bf16")
     assert record["plugins"] == [{"name": "ParallelUnmask", "namespace": "dlmrt", "version": "1"}]

@@ -4,7 +4,6 @@ in ONNX Runtime against the fp32 one."""
 from __future__ import annotations
 
 import importlib.util
-import json
 import sys
 
 import numpy as np
@@ -18,7 +17,8 @@ import onnx  # noqa: E402
 from dlmrt import tasks  # noqa: E402
 from dlmrt.engines.quant.calibration import CalibrationError, calibration_feeds, load_prompts  # noqa: E402
 from dlmrt.errors import MissingExtraError  # noqa: E402
-from dlmrt.export.onnx_export import MANIFEST, graph_file  # noqa: E402
+from dlmrt.export.export_manifest import ExportManifest  # noqa: E402
+from dlmrt.export.onnx_export import graph_file  # noqa: E402
 from dlmrt.runtime import Fixed, GenerationSettings, Generator, Threshold, text  # noqa: E402
 from dlmrt.runtime.ort_backend import ExportedModel, OrtBackend  # noqa: E402
 
@@ -45,14 +45,14 @@ def fp8_export(tiny_export, tmp_path_factory):
 def test_calibration_feeds_have_the_graph_inputs(tiny_export, graph):
     feeds = calibration_feeds(tiny_export, graph, count=CALIBRATION_COUNT)
     assert len(feeds) == CALIBRATION_COUNT
-    contract = json.loads((tiny_export / MANIFEST).read_text())["graphs"][graph]["inputs"]
+    contract = ExportManifest.read(tiny_export).graphs[graph].inputs
     for feed in feeds:
-        assert list(feed) == [value["name"] for value in contract]
+        assert list(feed) == [value.name for value in contract]
         for value in contract:
-            array = feed[value["name"]]
-            assert isinstance(array, np.ndarray) and array.dtype.name == value["dtype"], value
-            assert len(array.shape) == len(value["shape"]), value
-            assert all(found == wanted for found, wanted in zip(array.shape, value["shape"]) if isinstance(wanted, int))
+            array = feed[value.name]
+            assert isinstance(array, np.ndarray) and array.dtype.name == value.dtype, value
+            assert len(array.shape) == len(value.shape), value
+            assert all(found == wanted for found, wanted in zip(array.shape, value.shape) if isinstance(wanted, int))
     steps = {int(feed["step"][0]) for feed in feeds}
     assert len(steps) > 1  # the steps of a block, not one step repeated
     if graph == "cached":
@@ -149,8 +149,8 @@ def test_the_input_export_is_left_unchanged(fp8_export, tiny_export):
 @needs_modelopt
 def test_ort_runs_the_fp8_graphs_close_to_fp32(fp8_export, tiny_export):
     directory, _ = fp8_export
-    manifest = json.loads((directory / MANIFEST).read_text())
-    assert manifest["quantization"]["mode"] == "fp8" and manifest["opset"] == 19
+    manifest = ExportManifest.load(directory)  # the copied files' hashes were taken afresh
+    assert manifest.quantization["mode"] == "fp8" and manifest.opset == 19
     model = ExportedModel.load(tiny_export)
     examples = tasks.examples("test", 16, seed=1)
     prompts = [text.encode(model, example.prompt) for example in examples]

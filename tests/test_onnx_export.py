@@ -14,6 +14,7 @@ import dlmrt  # noqa: E402
 from dlmrt import tasks  # noqa: E402
 from dlmrt.errors import ArgumentError, CheckpointError, UnsupportedFeatureError  # noqa: E402
 from dlmrt.export import onnx_export  # noqa: E402
+from dlmrt.export.export_manifest import MANIFEST_FILE, ExportManifest  # noqa: E402
 from dlmrt.runtime import Factor, Fixed, GenerationSettings, Generator, LLaDA2, Residual, Threshold, text  # noqa: E402
 from dlmrt.runtime.ort_backend import OrtBackend  # noqa: E402
 from helpers import LLADA, LLADA2, ORL, config, random_model  # noqa: E402
@@ -80,7 +81,8 @@ def test_ort_binds_each_step_kind_once_and_no_kv_where_none_is_written(exported)
 
 def test_manifest_records_the_contract(exported):
     model, directory = exported["orl"]
-    manifest = json.loads((directory / onnx_export.MANIFEST).read_text())
+    manifest = json.loads((directory / MANIFEST_FILE).read_text())
+    assert ExportManifest.read(directory).to_dict() == manifest  # the typed manifest holds all of it
     assert manifest["opset"] == 18 and manifest["model"]["residual"] is True
     assert manifest["tokens"]["mask_id"] == model.tokens.mask_id
     assert manifest["limits"] == {"max_batch": 8, "max_length": 48}
@@ -239,8 +241,7 @@ def test_large_weights_go_to_external_data(monkeypatch, tmp_path):
     monkeypatch.setattr(onnx_export, "EXTERNAL_DATA_BYTES", 0)
     model = random_model(LLADA)
     directory = onnx_export.export(model, tmp_path / "out", max_batch=4, max_length=32)
-    manifest = json.loads((directory / onnx_export.MANIFEST).read_text())
-    assert {"step_full.onnx.data", "step_cached.onnx.data"} <= set(manifest["files"])
+    assert {"step_full.onnx.data", "step_cached.onnx.data"} <= set(ExportManifest.read(directory).files)
     settings = GenerationSettings(8, 4, Threshold(0.3), cache="prefix")
     assert torch.equal(Generator(OrtBackend(directory)).generate(PROMPTS[:2], settings).tokens,
                        Generator(model, mode="eager").generate(PROMPTS[:2], settings).tokens)

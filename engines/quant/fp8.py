@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import io
-import json
 import os
 import shutil
 import tempfile
@@ -262,32 +261,27 @@ def quantize_export(export_dir: str | Path, out_dir: str | Path, *,
     calibrated on its own step-loop feeds (`calibration_feeds(export_dir, graph, prompts, count,
     seed)`) and quantized; the manifest records the quantization. OrtBackend(out_dir) runs it.
     `on_graph(graph)` follows each quantized graph."""
-    from dlmrt.export.onnx_export import MANIFEST, sha256_of
-    from dlmrt.runtime.ort_backend import load_manifest
+    from dlmrt.export.export_manifest import ExportManifest
 
     _modelopt_quantize()  # the missing extra is reported before any calibration runs
     export_dir = Path(export_dir)
-    manifest = load_manifest(export_dir)
+    manifest = ExportManifest.load(export_dir)
     reports = {}
     with atomic.directory(out_dir) as staging:
-        for graph, entry in manifest["graphs"].items():
+        for graph, entry in manifest.graphs.items():
             feeds = calibration_feeds(export_dir, graph, prompts, count, seed)
-            report = quantize_onnx(export_dir / entry["file"], staging / entry["file"], feeds,
+            report = quantize_onnx(export_dir / entry.file, staging / entry.file, feeds,
                                    calibration_method=calibration_method)
-            reports[graph] = replace(report, out_path=str(Path(out_dir) / entry["file"]))
+            reports[graph] = replace(report, out_path=str(Path(out_dir) / entry.file))
             if on_graph is not None:
                 on_graph(graph)
-        for name in manifest["files"]:
-            if name not in {entry["file"] for entry in manifest["graphs"].values()}:
+        for name in manifest.files:
+            if name not in {entry.file for entry in manifest.graphs.values()}:
                 shutil.copy2(export_dir / name, staging / name)
-        manifest = copy.deepcopy(manifest)
-        manifest["opset"] = max(manifest["opset"], FP8_OPSET)
-        manifest["files"] = {name: sha256_of(staging / name) for name in manifest["files"]}
-        manifest["quantization"] = {"mode": "fp8", "tool": f"nvidia-modelopt {_modelopt_version()}",
-                                    "source": str(export_dir.resolve()), "calibration_method": calibration_method,
-                                    "graphs": {g: {k: v for k, v in r.to_dict().items() if k not in ("in_path",
-                                                                                                     "out_path")}
-                                               for g, r in reports.items()}}
-        atomic.write_text(staging / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+        quantization = {"mode": "fp8", "tool": f"nvidia-modelopt {_modelopt_version()}",
+                        "source": str(export_dir.resolve()), "calibration_method": calibration_method,
+                        "graphs": {g: {k: v for k, v in r.to_dict().items() if k not in ("in_path", "out_path")}
+                                   for g, r in reports.items()}}
+        manifest.with_files(staging, opset=max(manifest.opset, FP8_OPSET), quantization=quantization).save(staging)
     return Path(out_dir), reports
 
