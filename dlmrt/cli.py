@@ -170,17 +170,24 @@ def settings_from_options(model, *, gen_length, block_length, policy, steps, rem
 @decoding_options
 @click.option("--ignore-eos", is_flag=True,
               help="Decode the full length after end-of-sequence, as the research scripts do.")
-@click.option("--backend", type=click.Choice(("torch", "ort", "reference")), default="torch", show_default=True,
+@click.option("--backend", type=click.Choice(("torch", "ort", "trt", "reference")), default="torch",
+              show_default=True,
               help="torch: the step loop in PyTorch (see --mode); ort: the exported ONNX step graphs in ONNX Runtime "
-                   "(--model is an export directory, or a model directory exported on first use); reference: "
-                   "LLaDA's plain loop (fixed policy, no cache), the oracle the others are tested against.")
+                   "(--model is an export directory, or a model directory exported on first use); trt: the "
+                   "TensorRT engines `dlmrt build` stored for this GPU (--model is the export directory they were "
+                   "built from); reference: LLaDA's plain loop (fixed policy, no cache), the oracle the others are "
+                   "tested against.")
 @torch_backend_options
+@click.option("--engines", type=click.Path(path_type=Path), default=None,
+              help="trt backend: the engine store [default: $DLMRT_HOME/engines].")
+@click.option("--precision", type=click.Choice(("bf16", "fp16", "fp8", "nvfp4")), default=None,
+              help="trt backend: which stored engine to run [default: this GPU's default precision].")
 @click.option("--stream", is_flag=True, help="Print committed text block by block as it is decoded.")
 @click.option("--metrics", "show_metrics", is_flag=True, help="Print a metrics table on stderr.")
 @click.option("--json", "as_json", is_flag=True, help="Print outputs and metrics as JSON.")
 @reports_errors
-def generate(model_dir, prompts, prompt_ids, ignore_eos, backend, mode, max_batch, stream, show_metrics, as_json,
-             dtype, **decoding):
+def generate(model_dir, prompts, prompt_ids, ignore_eos, backend, mode, max_batch, engines, precision, stream,
+             show_metrics, as_json, dtype, **decoding):
     """Generate from prompts with a decoding policy and cache mode."""
     if prompts and prompt_ids:
         raise click.UsageError("give either --prompt or --prompt-ids, not both")
@@ -189,6 +196,8 @@ def generate(model_dir, prompts, prompt_ids, ignore_eos, backend, mode, max_batc
     id_prompts = [parse_ids(value) for value in prompt_ids]
     if backend != "torch" and mode != "auto":
         raise click.UsageError(f"--mode applies to --backend torch; --backend {backend} runs its own way")
+    if backend != "trt" and (engines is not None or precision is not None):
+        raise click.UsageError("--engines and --precision apply to --backend trt")
 
     from rich.console import Console
 
@@ -200,13 +209,22 @@ def generate(model_dir, prompts, prompt_ids, ignore_eos, backend, mode, max_batc
 
     if backend == "ort":
         require_onnx_extra()
-        from dlmrt.runtime.ort_backend import ExportedModel, OrtBackend
+        from dlmrt.runtime.exported_model import ExportedModel
+        from dlmrt.runtime.ort_backend import OrtBackend
 
         export_dir = ensure_exported(Path(model_dir or TINY_MODEL_DIR), dtype, console)
         from dlmrt.home import home
 
         model = ExportedModel.load(export_dir)
         backend_impl = OrtBackend(export_dir, optimized_model_dir=home() / "ort")  # faster starts after the first
+    elif backend == "trt":
+        from dlmrt.runtime.exported_model import ExportedModel
+        from dlmrt.runtime.trt_backend import TrtBackend
+
+        if model_dir is None:
+            raise click.UsageError("--backend trt needs --model EXPORT_DIR, the export the engines were built from")
+        backend_impl = TrtBackend(model_dir, engines, precision=precision)
+        model = ExportedModel.load(model_dir)
     else:
         model = dlmrt.load(model_dir or TINY_MODEL_DIR, dtype=dtype)
         backend_impl = TorchBackend(model, mode=mode, max_batch=max_batch)

@@ -29,13 +29,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import Tensor
 
 from dlmrt.export.step_graph import POLICY_INPUTS, graph_name
 from dlmrt.runtime.device_state import DeviceState
+
+if TYPE_CHECKING:
+    from dlmrt.runtime.backend import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,35 @@ def allocate(state: DeviceState, kind: StepKind) -> None:
     """Allocate the window buffers `kind` needs (before a step of it is compiled or captured)."""
     if not kind.whole_canvas(state.bucket.canvas):
         state.window(kind.window)
+
+
+def output_buffers(spec: ModelSpec, state: DeviceState, kind: StepKind, *,
+                   every_output: bool = False) -> dict[str, Tensor]:
+    """Static buffers for the exported step graph's outputs, by name, for a backend that binds them
+    (ONNX Runtime, TensorRT). The whole-canvas refresh writes its K/V straight into the cache
+    storage. A step that writes no cache gets no K/V buffer, unless `every_output` (TensorRT needs
+    an address for every output): then a scratch one."""
+    bucket = state.bucket
+    rows, model_rows, block, device = bucket.batch, bucket.model_rows, bucket.block, state.canvas.device
+    outputs = {"new_ids": torch.empty(rows, block, dtype=torch.long, device=device),
+               "confidence": torch.empty(rows, block, dtype=torch.float32, device=device),
+               "commit": torch.empty(rows, block, dtype=torch.bool, device=device),
+               "committed": torch.empty(rows, dtype=torch.long, device=device)}
+    if kind.writes and kind.writes == bucket.canvas:
+        outputs["kv"] = state.kv
+    elif kind.writes or every_output:
+        outputs["kv"] = torch.empty(spec.num_layers, 2, model_rows, spec.num_kv_heads, kind.window, spec.head_dim,
+                                    dtype=spec.dtype, device=device)
+    if spec.has_residual:
+        outputs["next_z"] = torch.empty(model_rows, kind.window, spec.hidden_size, dtype=spec.dtype, device=device)
+        outputs["next_certainty"] = torch.empty(model_rows, kind.window, dtype=spec.dtype, device=device)
+    return outputs
+
+
+def graph_outputs(outputs: Mapping[str, Tensor], kind: StepKind) -> GraphOutputs:
+    """What `apply` reads of the bound output buffers."""
+    return GraphOutputs(outputs["new_ids"], outputs["kv"] if kind.writes else None, outputs.get("next_z"),
+                        outputs.get("next_certainty"))
 
 
 def graph_inputs(state: DeviceState, kind: StepKind) -> dict[str, Tensor]:

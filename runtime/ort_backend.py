@@ -10,11 +10,8 @@ output. The CPU provider is used here; the CUDA provider where onnxruntime-gpu a
 
 from __future__ import annotations
 
-import json
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import onnx
@@ -23,7 +20,6 @@ import torch
 
 from dlmrt.errors import ArgumentError
 from dlmrt.export.export_manifest import ExportManifest
-from dlmrt.export.models.denoiser import SpecialTokens
 from dlmrt.runtime import device_step
 from dlmrt.runtime.backend import Backend, ModelSpec
 from dlmrt.runtime.device_state import BucketLadder, DeviceState
@@ -33,37 +29,13 @@ OPTIMIZATION_LEVELS = ("disable", "basic", "extended", "all")
 _NUMPY = {torch.float32: np.float32, torch.float16: np.float16, torch.int64: np.int64, torch.bool: np.bool_}
 
 
-@dataclass
-class ExportedModel:
-    """What the CLI and `dlmrt.runtime.text` need of a model, read from an export directory."""
-
-    name: str
-    tokens: SpecialTokens
-    block_causal: bool
-    default_block_length: int | None
-    tokenizer: Any = None
-    generation_config: dict = field(default_factory=dict)
-
-    @classmethod
-    def load(cls, export_dir: str | Path) -> ExportedModel:
-        from tokenizers import Tokenizer
-
-        export_dir = Path(export_dir)
-        manifest = ExportManifest.read(export_dir)
-        tokenizer_path = export_dir / "tokenizer.json"
-        generation_path = export_dir / "generation_config.json"
-        return cls(name=manifest.model.name, tokens=manifest.tokens, block_causal=manifest.model.block_causal,
-                   default_block_length=manifest.model.block_grid,
-                   tokenizer=Tokenizer.from_file(str(tokenizer_path)) if tokenizer_path.is_file() else None,
-                   generation_config=json.loads(generation_path.read_text()) if generation_path.is_file() else {})
-
-
 class _Binding:
     """One IO binding of a session to a bucket's buffers, for one step kind."""
 
-    def __init__(self, session, state: DeviceState, inputs: dict[str, torch.Tensor],
+    def __init__(self, session, state: DeviceState, kind: StepKind, inputs: dict[str, torch.Tensor],
                  outputs: dict[str, torch.Tensor]):
         self.session, self.state, self.outputs = session, state, outputs  # the state stays alive with its binding
+        self.results = device_step.graph_outputs(outputs, kind)
         self.binding = session.io_binding()
         for name, tensor in inputs.items():
             _bind(self.binding.bind_input, name, tensor)
@@ -72,8 +44,7 @@ class _Binding:
 
     def __call__(self, inputs) -> GraphOutputs:
         self.session.run_with_iobinding(self.binding)
-        out = self.outputs
-        return GraphOutputs(out["new_ids"], out.get("kv"), out.get("next_z"), out.get("next_certainty"))
+        return self.results
 
 
 def _bind(bind, name: str, tensor: torch.Tensor) -> None:
@@ -149,18 +120,7 @@ class OrtBackend(Backend):
         key = (id(state), kind.window, kind.start, kind.cached, kind.writes)
         if key not in self._bindings:
             device_step.allocate(state, kind)
-            bucket, s = state.bucket, self.spec
-            rows, model_rows, block = bucket.batch, bucket.model_rows, bucket.block
-            outputs = {"new_ids": torch.empty(rows, block, dtype=torch.long),
-                       "confidence": torch.empty(rows, block, dtype=torch.float32),
-                       "commit": torch.empty(rows, block, dtype=torch.bool),
-                       "committed": torch.empty(rows, dtype=torch.long)}
-            if kind.writes:  # the whole-canvas refresh writes its K/V straight into the cache storage
-                outputs["kv"] = state.kv if kind.writes == bucket.canvas else torch.empty(
-                    s.num_layers, 2, model_rows, s.num_kv_heads, kind.window, s.head_dim, dtype=s.dtype)
-            if s.has_residual:
-                outputs["next_z"] = torch.empty(model_rows, kind.window, s.hidden_size, dtype=s.dtype)
-                outputs["next_certainty"] = torch.empty(model_rows, kind.window, dtype=s.dtype)
-            session = self.sessions[kind.graph(bucket.guided)]
-            self._bindings[key] = _Binding(session, state, device_step.graph_inputs(state, kind), outputs)
+            session = self.sessions[kind.graph(state.bucket.guided)]
+            self._bindings[key] = _Binding(session, state, kind, device_step.graph_inputs(state, kind),
+                                           device_step.output_buffers(self.spec, state, kind))
         return self._bindings[key]

@@ -34,7 +34,7 @@ from torch import Tensor
 from dlmrt.errors import ArgumentError
 from dlmrt.export.models import Denoiser
 from dlmrt.export.step_graph import StepGraph, check_unmask
-from dlmrt.runtime import device_step, onednn
+from dlmrt.runtime import cuda_graphs, device_step, onednn
 from dlmrt.runtime.backend import Backend, ModelSpec
 from dlmrt.runtime.device_state import BucketLadder, DeviceState
 from dlmrt.runtime.device_step import GraphOutputs, StepKind
@@ -180,13 +180,13 @@ class TorchBackend(Backend):
             # keep one model's graph from running another's: they stay, though they cost ~2% of a step.
             self._compiled = torch.compile(device_step.step, fullgraph=True, dynamic=False)
         graph = self._graph(state, kind, self._compile_model)
-        saved = {name: tensor.clone() for name, tensor in state.tensors().items()}
+        saved = cuda_graphs.snapshot(state)
         try:
             with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT,
                                             accumulated_recompile_limit=_RECOMPILE_LIMIT):
                 self._compiled(state, kind, graph)  # compiles, then runs: undone below
         finally:
-            _restore(state, saved)
+            cuda_graphs.restore(state, saved)
 
         def run():
             for _ in range(steps):
@@ -195,21 +195,9 @@ class TorchBackend(Backend):
 
     def _capture(self, state: DeviceState, kind: StepKind, steps: int):
         graph = self._graph(state, kind, self.model)
-        saved = {name: tensor.clone() for name, tensor in state.tensors().items()}
-        side = torch.cuda.Stream(device=self.spec.device)
-        side.wait_stream(torch.cuda.current_stream(self.spec.device))
-        try:
-            with torch.cuda.stream(side):  # warm-up: lazy initialization stays out of the graph
-                self._steps(state, kind, steps, graph)
-            torch.cuda.current_stream(self.spec.device).wait_stream(side)
-        finally:
-            _restore(state, saved)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        cuda_graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(cuda_graph, pool=self._pool):
-            self._steps(state, kind, steps, graph)
-        return cuda_graph.replay
+        return cuda_graphs.capture(lambda: self._steps(state, kind, steps, graph), state, self.spec.device, self._pool)
 
 
 _DO = {"compile": "compile", "cudagraph": "capture"}
@@ -218,12 +206,6 @@ _DO = {"compile": "compile", "cudagraph": "capture"}
 def _first_line(error: Exception) -> str:
     text = str(error).strip()
     return text.splitlines()[0][:300] if text else "no message"
-
-
-def _restore(state: DeviceState, saved: dict[str, Tensor]) -> None:
-    """Undo what a warm-up or compile run did to the state."""
-    for name, tensor in saved.items():
-        getattr(state, name).copy_(tensor)
 
 
 def _inductor_cache():

@@ -7,8 +7,8 @@
 # GPU paths of quantization, TensorRT builds where TensorRT is installed), the step loop's parity
 # tests under CUDA graphs (K = 1, 4 and a whole block), the step-latency benchmark on LLaDA-8B shapes
 # (scripts/bench_step_latency.py: eager and CUDA graphs, then torch.compile on its own time limit),
-# then plans (and, with TensorRT, builds and inspects) an engine of the tiny model for the running
-# GPU. Sized to finish in under 8 minutes; each step has its own time limit. Results and logs go to
+# then plans (and, with TensorRT, builds, inspects and generates through) an engine of the tiny model
+# for the running GPU; the `trt` tests include TrtBackend's token agreement with torch on real engines. Sized to finish in under 8 minutes; each step has its own time limit. Results and logs go to
 # $OUT (else a temp dir).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -50,6 +50,8 @@ step plan 60 "$python" -m dlmrt.cli build "$export_dir" --target auto --precisio
 if "$python" -c "import tensorrt" 2>/dev/null; then
     step build 240 "$python" -m dlmrt.cli build "$export_dir" --target auto --precision fp8
     step inspect 30 "$python" -m dlmrt.cli inspect "$DLMRT_HOME/engines"
+    step generate-trt 60 "$python" -m dlmrt.cli generate --backend trt --model "$export_dir" --precision fp8 \
+        --prompt "add:762+139=" --metrics
 fi
 
 "$python" - "$results/gpu_tests.xml" "$steps" <<'PY'

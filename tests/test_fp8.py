@@ -20,7 +20,8 @@ from dlmrt.errors import MissingExtraError  # noqa: E402
 from dlmrt.export.export_manifest import ExportManifest  # noqa: E402
 from dlmrt.export.onnx_export import graph_file  # noqa: E402
 from dlmrt.runtime import Fixed, GenerationSettings, Generator, Threshold, text  # noqa: E402
-from dlmrt.runtime.ort_backend import ExportedModel, OrtBackend  # noqa: E402
+from dlmrt.runtime.exported_model import ExportedModel  # noqa: E402
+from dlmrt.runtime.ort_backend import OrtBackend  # noqa: E402
 
 needs_modelopt = pytest.mark.skipif(importlib.util.find_spec("modelopt") is None,
                                     reason="FP8 quantization needs nvidia-modelopt: pip install 'dlmrt[quant]'")

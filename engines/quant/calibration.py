@@ -136,7 +136,8 @@ def calibration_feeds(export_dir: str | Path, graph: str = "full", prompts: str 
     and guidance scale always follow from `graph`.
     """
     from dlmrt.runtime import Generator, text
-    from dlmrt.runtime.ort_backend import ExportedModel, OrtBackend
+    from dlmrt.runtime.exported_model import ExportedModel
+    from dlmrt.runtime.ort_backend import OrtBackend
 
     if count <= 0:
         raise CalibrationError(f"the calibration count must be positive, got {count}")

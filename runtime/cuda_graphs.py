@@ -1,0 +1,44 @@
+"""K steps captured into one CUDA graph: how TorchBackend's cudagraph mode and TrtBackend capture.
+
+The steps run once on a side stream first, so lazy initialization (cuBLAS handles, TensorRT's
+first-enqueue setup, allocator growth) stays out of the graph; the state is then restored, and the
+same steps are captured into a `torch.cuda.CUDAGraph` in the backend's memory pool. A replay reads
+and writes the bucket's static buffers, whose addresses never change, so a captured graph never
+needs updating: each bucket, step kind and K is captured once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from dlmrt.runtime.device_state import DeviceState
+
+
+def snapshot(state: DeviceState) -> dict[str, Tensor]:
+    return {name: tensor.clone() for name, tensor in state.tensors().items()}
+
+
+def restore(state: DeviceState, saved: dict[str, Tensor]) -> None:
+    """Undo what a warm-up or compile run did to the state."""
+    for name, tensor in saved.items():
+        getattr(state, name).copy_(tensor)
+
+
+def capture(run_steps: Callable[[], None], state: DeviceState, device: torch.device, pool) -> Callable[[], None]:
+    """`run_steps` (K steps on `state`) warmed up and captured; returns the graph's replay."""
+    saved = snapshot(state)
+    side = torch.cuda.Stream(device=device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    try:
+        with torch.cuda.stream(side):
+            run_steps()
+        torch.cuda.current_stream(device).wait_stream(side)
+    finally:
+        restore(state, saved)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        run_steps()
+    return graph.replay

@@ -1,0 +1,192 @@
+"""TrtBackend: the TensorRT engines `dlmrt build` stored for this GPU, run on the device loop's buffers.
+
+    TrtBackend(export_dir)                                   # this GPU's engine, its default precision
+    TrtBackend(export_dir, engines=STORE, precision="fp8")
+
+Everything about the model comes from the export's `dlmrt.json` and the engine's `manifest.json`: no
+torch model is loaded. `dlmrt.engines.select` picks the engine for the running GPU and TensorRT and
+refuses one that does not fit, naming the `dlmrt build` command that makes one that does.
+
+This module is the thin layer that calls TensorRT, in the order Polygraphy's loaders and runners use:
+register the dlmrt plugins, deserialize each graph's engine, create one execution context per engine
+(each has one optimization profile). For each bucket and step kind a binding sets the input shapes
+and the address of every input and output once, on the bucket's static buffers; a step makes its
+binding current on the context (a no-op while the same kind runs on) and enqueues with
+`execute_async_v3` on the torch stream. On CUDA, `prepare_steps` captures K steps of a kind into one
+CUDA graph (`dlmrt.runtime.cuda_graphs`), as TensorRT-LLM captures its `enqueueV3`; the addresses
+never move, so a graph is captured once and never updated.
+
+The binding contract is tested on the CPU against a recording fake of these TensorRT calls that runs
+the exported graphs with ONNX Runtime at the bound addresses (tests/fake_tensorrt.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from dlmrt.engines import targets
+from dlmrt.engines.select import select
+from dlmrt.engines.store import EngineStore
+from dlmrt.errors import ArgumentError, DlmrtError, MissingExtraError
+from dlmrt.export.export_manifest import ExportManifest
+from dlmrt.runtime import cuda_graphs, device_step
+from dlmrt.runtime.backend import Backend, ModelSpec
+from dlmrt.runtime.device_state import BucketLadder, DeviceState
+from dlmrt.runtime.device_step import StepKind
+
+
+class EngineRunError(DlmrtError):
+    """TensorRT refused an engine, a shape or an address."""
+
+
+def import_tensorrt():
+    if importlib.util.find_spec("tensorrt") is None:
+        raise MissingExtraError("--backend trt needs TensorRT, which is not installed: pip install "
+                                "'dlmrt[tensorrt]' on a machine with an NVIDIA GPU")
+    import tensorrt
+
+    return tensorrt
+
+
+def register_plugins() -> None:
+    from dlmrt.plugins.parallel_unmask import trt_plugin as parallel_unmask
+    from dlmrt.plugins.residual_context import trt_plugin as residual_context
+
+    parallel_unmask.register()
+    residual_context.register()
+
+
+class TrtBackend(Backend):
+    def __init__(self, export_dir: str | Path, engines: str | Path | None = None, *, precision: str | None = None,
+                 tensorrt=None, plugins: Callable[[], None] = register_plugins,
+                 capability: tuple[int, int] | None = None, device: str | torch.device = "cuda"):
+        """`tensorrt`, `plugins`, `capability` and `device` default to the real TensorRT, its plugin
+        registration and the running GPU; the tests hand in a fake of them."""
+        self.export_dir = Path(export_dir)
+        manifest = ExportManifest.read(self.export_dir)
+        trt = tensorrt if tensorrt is not None else import_tensorrt()
+        device = torch.device(device)
+        if capability is None:
+            gpu = targets.running_gpu()
+            if gpu is None:
+                raise ArgumentError("--backend trt runs TensorRT engines on a CUDA GPU, and none is visible: "
+                                    "use --backend torch or --backend ort here")
+            capability = gpu[0]
+        self.selected = select(EngineStore(engines), self.export_dir, capability=capability,
+                               tensorrt_version=trt.__version__, precision=precision)
+        record = self.selected.manifest
+        spec = ModelSpec.of_export(manifest, self.export_dir, device)
+        guided = all(graph in record["graphs"] for graph in ("full_guided", "cached_guided"))
+        spec = dataclasses.replace(spec, supports_guidance=spec.supports_guidance and guided)
+        self.rebuild_hint = f"rebuild with larger ranges (`dlmrt build {self.export_dir} --batch MIN:OPT:MAX " \
+                            f"--prefix MIN:OPT:MAX ...`)"
+        highest = {name: int(text.split(":")[2]) for name, text in record["ranges"].items()}
+        longest = min(manifest.limits.max_length, *(highest[name] for name in ("window", "prefix") if name in highest))
+        super().__init__(spec, BucketLadder(highest["batch"], longest, batch_hint=self.rebuild_hint,
+                                            canvas_hint=self.rebuild_hint))
+        plugins()  # before deserializing: the engines hold the dlmrt plugins
+        runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
+        self._engines, self._contexts = {}, {}
+        for graph in record["graphs"]:
+            engine = runtime.deserialize_cuda_engine(self.selected.engine(graph).read_bytes())
+            if engine is None:
+                raise EngineRunError(f"TensorRT {trt.__version__} could not deserialize "
+                                     f"{self.selected.engine(graph)} (its log above says why): rebuild it")
+            self._engines[graph] = engine
+            self._contexts[graph] = engine.create_execution_context()
+        self._trt = trt
+        self._bindings: dict[tuple, _EngineBinding] = {}
+        self._current: dict[str, _EngineBinding] = {}  # per graph: the binding its context is set up for
+        self._runners: dict[tuple, Callable[[], None]] = {}
+        self._pool = None
+
+    def _binding(self, state: DeviceState, kind: StepKind) -> _EngineBinding:
+        key = (id(state), kind.window, kind.start, kind.cached, kind.writes)
+        if key not in self._bindings:
+            device_step.allocate(state, kind)
+            graph = kind.graph(state.bucket.guided)
+            self._bindings[key] = _EngineBinding(self, graph, state, kind)
+        return self._bindings[key]
+
+    def _steps(self, state: DeviceState, kind: StepKind, steps: int) -> None:
+        binding = self._binding(state, kind)
+        for _ in range(steps):
+            device_step.step(state, kind, binding)
+
+    def prepare_steps(self, state: DeviceState, kind: StepKind, steps: int) -> float:
+        key = (id(state), kind, steps)
+        if key in self._runners:
+            return 0.0
+        started = time.perf_counter()
+        self._binding(state, kind)
+        if self.spec.device.type == "cuda":
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            self._runners[key] = cuda_graphs.capture(lambda: self._steps(state, kind, steps), state,
+                                                     self.spec.device, self._pool)
+        else:
+            self._runners[key] = lambda: self._steps(state, kind, steps)
+        return time.perf_counter() - started
+
+    @torch.no_grad()
+    def run(self, state: DeviceState, kind: StepKind, steps: int) -> None:
+        self.prepare_steps(state, kind, steps)
+        self._runners[(id(state), kind, steps)]()
+
+
+class _EngineBinding:
+    """One bucket's buffers bound to one graph's execution context, for one step kind."""
+
+    def __init__(self, backend: TrtBackend, graph: str, state: DeviceState, kind: StepKind):
+        self.backend, self.graph, self.state = backend, graph, state  # the state stays alive with its binding
+        self.context, engine = backend._contexts[graph], backend._engines[graph]
+        inputs = device_step.graph_inputs(state, kind)
+        self.outputs = device_step.output_buffers(backend.spec, state, kind, every_output=True)
+        self.results = device_step.graph_outputs(self.outputs, kind)
+        names = [engine.get_tensor_name(index) for index in range(engine.num_io_tensors)]
+        input_mode = backend._trt.TensorIOMode.INPUT
+        wanted = {name: engine.get_tensor_mode(name) == input_mode for name in names}
+        missing = [name for name, is_input in wanted.items() if name not in (inputs if is_input else self.outputs)]
+        if missing:
+            raise EngineRunError(f"the {graph} engine in {backend.selected.entry} has tensors the export's step "
+                                 f"does not ({', '.join(missing)}): rebuild it from this export with `dlmrt build`")
+        self.shapes = {name: tuple(inputs[name].shape) for name, is_input in wanted.items() if is_input}
+        self.addresses = {name: (inputs[name] if is_input else self.outputs[name]).data_ptr()
+                          for name, is_input in wanted.items()}
+        for name, shape in self.shapes.items():
+            declared = tuple(engine.get_tensor_shape(name))
+            low, high = engine.get_tensor_profile_shape(name, 0)[::2] if -1 in declared else (declared, declared)
+            if len(shape) != len(low) or any(not lo <= size <= hi for size, lo, hi in zip(shape, low, high)):
+                raise ArgumentError(f"{graph} input {name} of shape {list(shape)} lies outside the engine's "
+                                    f"profile ({list(low)} to {list(high)}): {backend.rebuild_hint}")
+        self.make_current()
+        for name, tensor in self.outputs.items():
+            found = tuple(self.context.get_tensor_shape(name)) if name in wanted else None
+            if found is not None and found != tuple(tensor.shape):
+                raise EngineRunError(f"the {graph} engine's {name} output has shape {list(found)}, the step "
+                                     f"expects {list(tensor.shape)}: rebuild it from this export")
+
+    def make_current(self) -> None:
+        if self.backend._current.get(self.graph) is self:
+            return
+        for name, shape in self.shapes.items():
+            if not self.context.set_input_shape(name, shape):
+                raise EngineRunError(f"TensorRT refused shape {list(shape)} for {self.graph} input {name}")
+        for name, address in self.addresses.items():
+            if not self.context.set_tensor_address(name, address):
+                raise EngineRunError(f"TensorRT refused the address of {self.graph} tensor {name}")
+        self.backend._current[self.graph] = self
+
+    def __call__(self, inputs) -> device_step.GraphOutputs:
+        self.make_current()
+        device = self.backend.spec.device
+        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+        if not self.context.execute_async_v3(stream):
+            raise EngineRunError(f"TensorRT failed to enqueue the {self.graph} engine (its log above says why)")
+        return self.results
