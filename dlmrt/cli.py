@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from rich.table import Table
 
     from dlmrt.evaluation import Setting, SettingScore
-    from dlmrt.export.models import Denoiser
+    from dlmrt.runtime.backend import Backend
     from dlmrt.runtime import GenerationSettings
     from dlmrt.tasks import Example
 
@@ -133,6 +133,47 @@ def torch_backend_options(command):
              "on a CPU.")(command)
 
 
+def engine_options(command):
+    """--engines and --precision: which stored TensorRT engine --backend trt runs."""
+    command = click.option(
+        "--precision", type=click.Choice(("bf16", "fp16", "fp8", "nvfp4")), default=None,
+        help="trt backend: which stored engine to run [default: this GPU's default precision].")(command)
+    return click.option("--engines", type=click.Path(path_type=Path), default=None,
+                        help="trt backend: the engine store [default: $DLMRT_HOME/engines].")(command)
+
+
+def open_backend(backend: str, model_dir: Path | None, *, dtype: str, mode: str, max_batch: int,
+                 engines: Path | None, precision: str | None, console):
+    """(model, backend) for --backend: the model is what text in and out needs (a Denoiser, or an
+    export's ExportedModel); the backend is None for the reference loop, which runs the model itself."""
+    if backend != "torch" and mode != "auto":
+        raise click.UsageError(f"--mode applies to --backend torch; --backend {backend} runs its own way")
+    if backend != "trt" and (engines is not None or precision is not None):
+        raise click.UsageError("--engines and --precision apply to --backend trt")
+    if backend == "ort":
+        require_onnx_extra()
+        from dlmrt.home import home
+        from dlmrt.runtime.exported_model import ExportedModel
+        from dlmrt.runtime.ort_backend import OrtBackend
+
+        export_dir = ensure_exported(Path(model_dir or TINY_MODEL_DIR), dtype, console)
+        # optimized graphs are kept, for faster starts after the first
+        return ExportedModel.load(export_dir), OrtBackend(export_dir, optimized_model_dir=home() / "ort")
+    if backend == "trt":
+        from dlmrt.runtime.exported_model import ExportedModel
+        from dlmrt.runtime.trt_backend import TrtBackend
+
+        if model_dir is None:
+            raise click.UsageError("--backend trt needs --model EXPORT_DIR, the export the engines were built from")
+        trt_backend = TrtBackend(model_dir, engines, precision=precision)
+        return ExportedModel.load(model_dir), trt_backend
+    import dlmrt
+    from dlmrt.runtime.torch_backend import TorchBackend
+
+    model = dlmrt.load(model_dir or TINY_MODEL_DIR, dtype=dtype)
+    return model, (TorchBackend(model, mode=mode, max_batch=max_batch) if backend == "torch" else None)
+
+
 def lengths_from_options(model, gen_length: int | None, block_length: int | None) -> tuple[int, int]:
     """Generation and block length, with defaults from the model's generation_config."""
     if gen_length is None:
@@ -178,10 +219,7 @@ def settings_from_options(model, *, gen_length, block_length, policy, steps, rem
                    "built from); reference: LLaDA's plain loop (fixed policy, no cache), the oracle the others are "
                    "tested against.")
 @torch_backend_options
-@click.option("--engines", type=click.Path(path_type=Path), default=None,
-              help="trt backend: the engine store [default: $DLMRT_HOME/engines].")
-@click.option("--precision", type=click.Choice(("bf16", "fp16", "fp8", "nvfp4")), default=None,
-              help="trt backend: which stored engine to run [default: this GPU's default precision].")
+@engine_options
 @click.option("--stream", is_flag=True, help="Print committed text block by block as it is decoded.")
 @click.option("--metrics", "show_metrics", is_flag=True, help="Print a metrics table on stderr.")
 @click.option("--json", "as_json", is_flag=True, help="Print outputs and metrics as JSON.")
@@ -194,40 +232,14 @@ def generate(model_dir, prompts, prompt_ids, ignore_eos, backend, mode, max_batc
     if not prompts and not prompt_ids:
         raise click.UsageError("give at least one --prompt or --prompt-ids")
     id_prompts = [parse_ids(value) for value in prompt_ids]
-    if backend != "torch" and mode != "auto":
-        raise click.UsageError(f"--mode applies to --backend torch; --backend {backend} runs its own way")
-    if backend != "trt" and (engines is not None or precision is not None):
-        raise click.UsageError("--engines and --precision apply to --backend trt")
-
     from rich.console import Console
 
-    import dlmrt
     from dlmrt.runtime import Generator, reference, text
-
-    console = Console(stderr=True)
     from dlmrt.runtime.torch_backend import TorchBackend
 
-    if backend == "ort":
-        require_onnx_extra()
-        from dlmrt.runtime.exported_model import ExportedModel
-        from dlmrt.runtime.ort_backend import OrtBackend
-
-        export_dir = ensure_exported(Path(model_dir or TINY_MODEL_DIR), dtype, console)
-        from dlmrt.home import home
-
-        model = ExportedModel.load(export_dir)
-        backend_impl = OrtBackend(export_dir, optimized_model_dir=home() / "ort")  # faster starts after the first
-    elif backend == "trt":
-        from dlmrt.runtime.exported_model import ExportedModel
-        from dlmrt.runtime.trt_backend import TrtBackend
-
-        if model_dir is None:
-            raise click.UsageError("--backend trt needs --model EXPORT_DIR, the export the engines were built from")
-        backend_impl = TrtBackend(model_dir, engines, precision=precision)
-        model = ExportedModel.load(model_dir)
-    else:
-        model = dlmrt.load(model_dir or TINY_MODEL_DIR, dtype=dtype)
-        backend_impl = TorchBackend(model, mode=mode, max_batch=max_batch)
+    console = Console(stderr=True)
+    model, backend_impl = open_backend(backend, model_dir, dtype=dtype, mode=mode, max_batch=max_batch,
+                                       engines=engines, precision=precision, console=console)
     settings = settings_from_options(model, ignore_eos=ignore_eos, **decoding)
     batch = [text.encode(model, p) for p in prompts] if prompts else id_prompts
 
@@ -388,8 +400,13 @@ def print_update(model, update, batch_size, as_json):
                    "factor:factor=2, llada2:threshold=0.9,steps=8. Repeat for a grid [default: fixed at 1, "
                    "1/2 and 1/4 token per step, threshold 0.5-0.99, factor 1, 2, 4].")
 @eval_decoding_options
+@click.option("--backend", type=click.Choice(("torch", "ort", "trt")), default="torch", show_default=True,
+              help="torch: the step loop in PyTorch (see --mode); ort: the exported graphs in ONNX Runtime (--model "
+                   "an export, or a model directory exported on first use); trt: the TensorRT engines stored for "
+                   "this GPU (--model the export they were built from).")
 @click.option("--mode", type=click.Choice(MODE_NAMES), default="auto", show_default=True,
-              help="How the step loop runs: eager, compile, cudagraph; auto is cudagraph on CUDA, compile on a CPU.")
+              help="torch backend: eager, compile, cudagraph; auto is cudagraph on CUDA, compile on a CPU.")
+@engine_options
 @click.option("--batch-size", type=click.IntRange(min=1), default=64, show_default=True,
               help="Examples decoded together.")
 @click.option("--json", "json_path", type=click.Path(path_type=Path, dir_okay=False), default=None,
@@ -398,7 +415,8 @@ def print_update(model, update, batch_size, as_json):
               metavar="PATH.png", help="Also plot exact-match against tokens per forward (needs matplotlib).")
 @reports_errors
 def evaluate(model_dir, data, task_names, per_task, split, data_seed, setting_specs, gen_length, block_length,
-             cache, temperature, seed, dtype, steps_per_sync, mode, batch_size, json_path, plot_path):
+             cache, temperature, seed, dtype, steps_per_sync, backend, mode, engines, precision, batch_size,
+             json_path, plot_path):
     """Exact-match and speed over a grid of decoding settings: the speed-quality curve."""
     suite_options = {"--tasks": task_names, "--per-task": per_task, "--split": split, "--data-seed": data_seed}
     if data is not None and any(value is not None for value in suite_options.values()):
@@ -418,16 +436,18 @@ def evaluate(model_dir, data, task_names, per_task, split, data_seed, setting_sp
     else:
         examples = suite_examples(task_names, per_task or 100, split or "test", data_seed or 0)
 
-    import dlmrt
+    from rich.console import Console
+
     from dlmrt.runtime import Fixed, GenerationSettings
 
-    model = dlmrt.load(model_dir or TINY_MODEL_DIR, dtype=dtype)
+    model, backend_impl = open_backend(backend, model_dir, dtype=dtype, mode=mode, max_batch=batch_size,
+                                       engines=engines, precision=precision, console=Console(stderr=True))
     gen_length, block_length = lengths_from_options(model, gen_length, block_length)
     base = GenerationSettings(gen_length=gen_length, block_length=block_length, policy=Fixed(),
                               temperature=temperature, seed=seed, cache=cache, steps_per_sync=steps_per_sync)
     base.validate()
     grid = grid or evaluation.default_grid(gen_length, block_length)
-    results = run_grid(model, examples, base, grid, batch_size, mode)
+    results = run_grid(model, backend_impl, examples, base, grid, batch_size)
 
     title = f"{model.name}: {len(examples)} examples, gen-length {gen_length}, block-length {block_length}"
     print_table(results_table(results, title))
@@ -452,8 +472,8 @@ def suite_examples(task_names: str | None, per_task: int, split: str, seed: int)
     return tasks.examples(split, per_task, seed, chosen)
 
 
-def run_grid(model: Denoiser, examples: Sequence[Example], base: GenerationSettings, grid: Sequence[Setting],
-             batch_size: int, mode: str) -> list[SettingScore]:
+def run_grid(model, backend: Backend, examples: Sequence[Example], base: GenerationSettings,
+             grid: Sequence[Setting], batch_size: int) -> list[SettingScore]:
     """evaluation.evaluate_grid with a progress bar on stderr (on a terminal)."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -468,7 +488,7 @@ def run_grid(model: Denoiser, examples: Sequence[Example], base: GenerationSetti
         def advance(setting: Setting, count: int) -> None:
             bar.update(task, advance=count, description=setting.label)
 
-        return evaluation.evaluate_grid(model, examples, base, grid, batch_size, on_batch=advance, mode=mode)
+        return evaluation.evaluate_grid(model, examples, base, grid, batch_size, on_batch=advance, backend=backend)
 
 
 def print_table(table: Table) -> None:

@@ -17,6 +17,7 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dlmrt import atomic
 from dlmrt.errors import ArgumentError
@@ -24,6 +25,10 @@ from dlmrt.export.models import Denoiser
 from dlmrt.runtime import GenerationMetrics, GenerationSettings, Generator, Policy, make_policy, text
 from dlmrt.runtime.settings import check_request
 from dlmrt.tasks import Example
+
+if TYPE_CHECKING:
+    from dlmrt.runtime.backend import Backend
+    from dlmrt.runtime.exported_model import ExportedModel
 
 # The keys each policy takes in a setting spec, with the type of their values.
 SETTING_KEYS: dict[str, dict[str, type]] = {
@@ -67,26 +72,27 @@ class SettingScore:
 
 # -- scoring ------------------------------------------------------------------------------------
 
-def exact_match(model: Denoiser, examples: Sequence[Example], settings: GenerationSettings,
+def exact_match(model: Denoiser | ExportedModel, examples: Sequence[Example], settings: GenerationSettings,
                 batch_size: int = 64, on_batch: Callable[[int], None] | None = None, *,
-                mode: str = "auto") -> EvalScore:
+                mode: str = "auto", backend: Backend | None = None) -> EvalScore:
     """Exact-match per task of `examples` decoded with `settings`, batched `batch_size` rows at a time
-    by a TorchBackend in `mode`; every check runs before any compute."""
-    generator, prompts = _prepare(model, examples, batch_size, mode)
+    by `backend`, or else a TorchBackend of `model` in `mode`; every check runs before any compute.
+    With a backend, `model` only encodes and decodes text (an export's ExportedModel will do)."""
+    generator, prompts = _prepare(model, examples, batch_size, mode, backend)
     check_request(generator.spec, prompts, settings)
     return _score(generator, model, examples, prompts, settings, batch_size, on_batch)
 
 
-def evaluate_grid(model: Denoiser, examples: Sequence[Example], base: GenerationSettings,
+def evaluate_grid(model: Denoiser | ExportedModel, examples: Sequence[Example], base: GenerationSettings,
                   grid: Sequence[Setting], batch_size: int = 64,
                   on_batch: Callable[[Setting, int], None] | None = None, *,
-                  mode: str = "auto") -> list[SettingScore]:
+                  mode: str = "auto", backend: Backend | None = None) -> list[SettingScore]:
     """`exact_match` under each setting's policy (the rest from `base`), in the grid's order. Every
     setting is checked before the first one runs. `on_batch(setting, rows)` follows each batch, and
     comes with 0 rows as a setting starts."""
     if not grid:
         raise ArgumentError("the grid has no setting: give at least one")
-    generator, prompts = _prepare(model, examples, batch_size, mode)
+    generator, prompts = _prepare(model, examples, batch_size, mode, backend)
     runs = [(setting, replace(base, policy=setting.policy)) for setting in grid]
     for setting, settings in runs:
         try:
@@ -107,18 +113,19 @@ def evaluate_grid(model: Denoiser, examples: Sequence[Example], base: Generation
     return results
 
 
-def _prepare(model: Denoiser, examples: Sequence[Example], batch_size: int,
-             mode: str) -> tuple[Generator, list[list[int]]]:
+def _prepare(model: Denoiser | ExportedModel, examples: Sequence[Example], batch_size: int, mode: str,
+             backend: Backend | None) -> tuple[Generator, list[list[int]]]:
     """The Generator and every prompt's token ids, after the checks that do not depend on a setting."""
     if batch_size <= 0:
         raise ArgumentError(f"batch-size must be positive, got {batch_size}")
     if not examples:
         raise ArgumentError("no examples to evaluate")
-    generator = Generator(model, mode=mode, max_batch=batch_size)
+    generator = Generator(backend) if backend is not None else Generator(model, mode=mode, max_batch=batch_size)
+    generator.backend.ladder.batch_for(min(batch_size, len(examples)))  # a batch the backend cannot take, up front
     return generator, [text.encode(model, example.prompt) for example in examples]
 
 
-def _score(generator: Generator, model: Denoiser, examples: Sequence[Example], prompts: list[list[int]],
+def _score(generator: Generator, model: Denoiser | ExportedModel, examples: Sequence[Example], prompts: list[list[int]],
            settings: GenerationSettings, batch_size: int,
            on_batch: Callable[[int], None] | None) -> EvalScore:
     right: dict[str, int] = defaultdict(int)

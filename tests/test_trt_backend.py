@@ -131,17 +131,35 @@ def test_missing_tensorrt_names_the_extra(tiny_export, store):
         TrtBackend(tiny_export, store.root)
 
 
+@pytest.mark.parametrize("command", [["generate", "--prompt", "add:1+2="], ["eval", "--per-task", "1"]])
 @pytest.mark.parametrize("arguments, message", [
     (["--engines", "x"], "--engines and --precision apply to --backend trt"),
     (["--backend", "trt"], "--backend trt needs --model EXPORT_DIR"),
+    (["--backend", "ort", "--mode", "eager"], "--mode applies to --backend torch"),
 ])
-def test_cli_option_misuse(arguments, message):
+def test_cli_option_misuse(command, arguments, message):
     from click.testing import CliRunner
 
     from dlmrt.cli import main
 
-    result = CliRunner().invoke(main, ["generate", "--prompt", "add:1+2=", *arguments])
+    result = CliRunner().invoke(main, [*command, *arguments])
     assert result.exit_code == 2 and message in result.output, result.output
+
+
+def test_cli_eval_through_onnx_runtime(tiny_export):
+    from click.testing import CliRunner
+
+    from dlmrt.cli import main
+
+    arguments = ["eval", "--per-task", "2", "--setting", "threshold:threshold=0.9", "--batch-size", "6"]
+    ort = CliRunner().invoke(main, [*arguments, "--backend", "ort", "--model", str(tiny_export)])
+    torch_run = CliRunner().invoke(main, [*arguments, "--mode", "eager"])
+    assert ort.exit_code == 0 and torch_run.exit_code == 0, ort.output + torch_run.output
+    def scores(output):  # setting, rev, sort, add, mean, TPF and NFE: every cell but tokens/s
+        rows = [line.split("│")[1:-1] for line in output.splitlines() if "threshold" in line]
+        return [row[:6] + row[7:] for row in rows]
+
+    assert len(scores(ort.output)) == 1 and scores(ort.output) == scores(torch_run.output), ort.output
 
 
 def test_cli_trt_on_a_model_directory_or_without_tensorrt(tiny_export, store):
@@ -185,3 +203,19 @@ def test_real_engines_agree_with_torch(tiny_export, prompts, tmp_path):
     found = Generator(TrtBackend(tiny_export, store.root, precision="fp16")).generate(prompts, settings).tokens
     expected = Generator(dlmrt.load(device="cuda"), mode="eager").generate(prompts, settings).tokens
     assert (found.cpu() == expected.cpu()).float().mean() >= 0.9
+
+
+def test_eval_through_the_engines_scores_as_torch(tiny_export, store):
+    from dlmrt import evaluation
+    from dlmrt.runtime.exported_model import ExportedModel
+
+    examples = tasks.examples("test", 4, seed=3)
+    settings = GenerationSettings(16, 8, Threshold(0.9), cache="dual")
+    trt_backend, _ = backend(tiny_export, store)
+    found = evaluation.exact_match(ExportedModel.load(tiny_export), examples, settings, batch_size=4,
+                                   backend=trt_backend)
+    expected = evaluation.exact_match(dlmrt.load(), examples, settings, batch_size=4, mode="eager")
+    assert found.per_task == expected.per_task and found.metrics.nfe == expected.metrics.nfe
+    with pytest.raises(ArgumentError, match="exceed the batch limit of 4"):
+        evaluation.exact_match(ExportedModel.load(tiny_export), examples, settings, batch_size=8,
+                               backend=trt_backend)
