@@ -13,6 +13,7 @@ from pathlib import Path
 
 from dlmrt.engines.plan import BuildPlan, GraphPlan
 from dlmrt.errors import DlmrtError
+from dlmrt.plugins import register_tensorrt_plugins
 
 
 class BuildError(DlmrtError):
@@ -41,11 +42,7 @@ def build_graph(plan: BuildPlan, graph: GraphPlan, onnx_path: Path,
                 timing_cache: bytes | None) -> tuple[bytes, bytes]:
     """Build `graph` (read from `onnx_path`) as the plan says; returns (engine, updated timing cache)."""
     trt = require_tensorrt()
-    from dlmrt.plugins.parallel_unmask import trt_plugin as parallel_unmask
-    from dlmrt.plugins.residual_context import trt_plugin as residual_context
-
-    parallel_unmask.register()  # before parsing: the parser maps the graphs' dlmrt nodes to them
-    residual_context.register()
+    register_tensorrt_plugins()  # before parsing: the parser maps the graphs' dlmrt nodes to them
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
     strongly_typed = plan.typing == "strongly-typed"

@@ -12,24 +12,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from torch import Tensor
 
 from dlmrt.runtime.device_state import DeviceState
 
 
-def snapshot(state: DeviceState) -> dict[str, Tensor]:
-    return {name: tensor.clone() for name, tensor in state.tensors().items()}
-
-
-def restore(state: DeviceState, saved: dict[str, Tensor]) -> None:
-    """Undo what a warm-up or compile run did to the state."""
-    for name, tensor in saved.items():
-        getattr(state, name).copy_(tensor)
-
-
 def capture(run_steps: Callable[[], None], state: DeviceState, device: torch.device, pool) -> Callable[[], None]:
     """`run_steps` (K steps on `state`) warmed up and captured; returns the graph's replay."""
-    saved = snapshot(state)
+    saved = state.snapshot()
     side = torch.cuda.Stream(device=device)
     side.wait_stream(torch.cuda.current_stream(device))
     try:
@@ -37,7 +26,7 @@ def capture(run_steps: Callable[[], None], state: DeviceState, device: torch.dev
             run_steps()
         torch.cuda.current_stream(device).wait_stream(side)
     finally:
-        restore(state, saved)
+        state.restore(saved)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool):
         run_steps()

@@ -186,6 +186,14 @@ class DeviceState:
         return {f.name: getattr(self, f.name) for f in fields(self)
                 if isinstance(getattr(self, f.name), Tensor)}
 
+    def snapshot(self) -> dict[str, Tensor]:
+        """A copy of every buffer, for `restore` after a warm-up, compile or capture run."""
+        return {name: tensor.clone() for name, tensor in self.tensors().items()}
+
+    def restore(self, saved: dict[str, Tensor]) -> None:
+        for name, tensor in saved.items():
+            getattr(self, name).copy_(tensor)
+
     # -- requests in and out --------------------------------------------------------------------
     def load(self, layout: Layout, params: dict[str, Tensor], cfg_scale: float) -> None:
         """Copy a request into the bucket: rows beyond the request's become inert padding rows."""

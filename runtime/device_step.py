@@ -56,6 +56,13 @@ class StepKind:
     def graph(self, guided: bool) -> str:
         return graph_name(cached=self.cached, guided=guided)
 
+    @property
+    def binding_key(self) -> tuple:
+        """What a backend's binding of a bucket's buffers to a graph depends on: the window buffers,
+        the graph, and the K/V it writes (not `before`, `sampling` or `confidence`, which only the
+        gather or the graph's inputs see)."""
+        return self.window, self.start, self.cached, self.writes
+
     def whole_canvas(self, canvas: int) -> bool:
         return self.start == 0 and self.window == canvas
 

@@ -117,7 +117,7 @@ class OrtBackend(Backend):
             device_step.step(state, kind, binding)
 
     def _binding(self, state: DeviceState, kind: StepKind) -> _Binding:
-        key = (id(state), kind.window, kind.start, kind.cached, kind.writes)
+        key = (id(state), kind.binding_key)
         if key not in self._bindings:
             device_step.allocate(state, kind)
             session = self.sessions[kind.graph(state.bucket.guided)]

@@ -180,13 +180,13 @@ class TorchBackend(Backend):
             # keep one model's graph from running another's: they stay, though they cost ~2% of a step.
             self._compiled = torch.compile(device_step.step, fullgraph=True, dynamic=False)
         graph = self._graph(state, kind, self._compile_model)
-        saved = cuda_graphs.snapshot(state)
+        saved = state.snapshot()
         try:
             with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT,
                                             accumulated_recompile_limit=_RECOMPILE_LIMIT):
                 self._compiled(state, kind, graph)  # compiles, then runs: undone below
         finally:
-            cuda_graphs.restore(state, saved)
+            state.restore(saved)
 
         def run():
             for _ in range(steps):

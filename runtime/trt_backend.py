@@ -23,18 +23,18 @@ the exported graphs with ONNX Runtime at the bound addresses (tests/fake_tensorr
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from dlmrt.engines import targets
+from dlmrt.engines import builder, profiles, targets
 from dlmrt.engines.select import select
 from dlmrt.engines.store import EngineStore
 from dlmrt.errors import ArgumentError, DlmrtError, MissingExtraError
 from dlmrt.export.export_manifest import ExportManifest
+from dlmrt.plugins import register_tensorrt_plugins
 from dlmrt.runtime import cuda_graphs, device_step
 from dlmrt.runtime.backend import Backend, ModelSpec
 from dlmrt.runtime.device_state import BucketLadder, DeviceState
@@ -46,7 +46,7 @@ class EngineRunError(DlmrtError):
 
 
 def import_tensorrt():
-    if importlib.util.find_spec("tensorrt") is None:
+    if builder.installed_tensorrt() is None:
         raise MissingExtraError("--backend trt needs TensorRT, which is not installed: pip install "
                                 "'dlmrt[tensorrt]' on a machine with an NVIDIA GPU")
     import tensorrt
@@ -54,17 +54,9 @@ def import_tensorrt():
     return tensorrt
 
 
-def register_plugins() -> None:
-    from dlmrt.plugins.parallel_unmask import trt_plugin as parallel_unmask
-    from dlmrt.plugins.residual_context import trt_plugin as residual_context
-
-    parallel_unmask.register()
-    residual_context.register()
-
-
 class TrtBackend(Backend):
     def __init__(self, export_dir: str | Path, engines: str | Path | None = None, *, precision: str | None = None,
-                 tensorrt=None, plugins: Callable[[], None] = register_plugins,
+                 tensorrt=None, plugins: Callable[[], None] = register_tensorrt_plugins,
                  capability: tuple[int, int] | None = None, device: str | torch.device = "cuda"):
         """`tensorrt`, `plugins`, `capability` and `device` default to the real TensorRT, its plugin
         registration and the running GPU; the tests hand in a fake of them."""
@@ -86,7 +78,7 @@ class TrtBackend(Backend):
         spec = dataclasses.replace(spec, supports_guidance=spec.supports_guidance and guided)
         self.rebuild_hint = f"rebuild with larger ranges (`dlmrt build {self.export_dir} --batch MIN:OPT:MAX " \
                             f"--prefix MIN:OPT:MAX ...`)"
-        highest = {name: int(text.split(":")[2]) for name, text in record["ranges"].items()}
+        highest = {name: profiles.parse_range(text, name).max for name, text in record["ranges"].items()}
         longest = min(manifest.limits.max_length, *(highest[name] for name in ("window", "prefix") if name in highest))
         super().__init__(spec, BucketLadder(highest["batch"], longest, batch_hint=self.rebuild_hint,
                                             canvas_hint=self.rebuild_hint))
@@ -107,7 +99,7 @@ class TrtBackend(Backend):
         self._pool = None
 
     def _binding(self, state: DeviceState, kind: StepKind) -> _EngineBinding:
-        key = (id(state), kind.window, kind.start, kind.cached, kind.writes)
+        key = (id(state), kind.binding_key)
         if key not in self._bindings:
             device_step.allocate(state, kind)
             graph = kind.graph(state.bucket.guided)
