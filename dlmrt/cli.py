@@ -133,8 +133,13 @@ def torch_backend_options(command):
              "on a CPU.")(command)
 
 
-def engine_options(command):
-    """--engines and --precision: which stored TensorRT engine --backend trt runs."""
+def backend_options(command):
+    """--device, where the torch and ort backends run; --engines and --precision, which stored TensorRT
+    engine --backend trt runs."""
+    command = click.option(
+        "--device", type=click.Choice(("auto", "cpu", "cuda")), default="auto", show_default=True,
+        help="torch and ort backends: where to run; auto is the GPU where one is visible (and, for ort, "
+             "onnxruntime-gpu is installed), else the CPU. trt runs on the GPU.")(command)
     command = click.option(
         "--precision", type=click.Choice(("bf16", "fp16", "fp8", "nvfp4")), default=None,
         help="trt backend: which stored engine to run [default: this GPU's default precision].")(command)
@@ -142,8 +147,29 @@ def engine_options(command):
                         help="trt backend: the engine store [default: $DLMRT_HOME/engines].")(command)
 
 
+def resolve_device(backend: str, device: str) -> str:
+    """--device for --backend: auto is the GPU where the backend can run on one."""
+    import torch
+
+    if backend == "trt":
+        if device == "cpu":
+            raise click.UsageError("--backend trt runs on the GPU: drop --device cpu, or use --backend torch or ort")
+        return "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise click.UsageError(f"--device cuda: torch {torch.__version__} sees no CUDA GPU here; use --device cpu")
+    if device != "auto":
+        return device
+    if not torch.cuda.is_available():
+        return "cpu"
+    if backend == "ort":
+        import onnxruntime
+
+        return "cuda" if "CUDAExecutionProvider" in onnxruntime.get_available_providers() else "cpu"
+    return "cuda"
+
+
 def open_backend(backend: str, model_dir: Path | None, *, dtype: str, mode: str, max_batch: int,
-                 engines: Path | None, precision: str | None, console):
+                 device: str, engines: Path | None, precision: str | None, console):
     """(model, backend) for --backend: the model is what text in and out needs (a Denoiser, or an
     export's ExportedModel); the backend is None for the reference loop, which runs the model itself."""
     if backend != "torch" and mode != "auto":
@@ -158,7 +184,9 @@ def open_backend(backend: str, model_dir: Path | None, *, dtype: str, mode: str,
 
         export_dir = ensure_exported(Path(model_dir or TINY_MODEL_DIR), dtype, console)
         # optimized graphs are kept, for faster starts after the first
-        return ExportedModel.load(export_dir), OrtBackend(export_dir, optimized_model_dir=home() / "ort")
+        return ExportedModel.load(export_dir), OrtBackend(export_dir, device=resolve_device(backend, device),
+                                                          optimized_model_dir=home() / "ort")
+    device = resolve_device(backend, device)
     if backend == "trt":
         from dlmrt.runtime.exported_model import ExportedModel
         from dlmrt.runtime.trt_backend import TrtBackend
@@ -170,7 +198,7 @@ def open_backend(backend: str, model_dir: Path | None, *, dtype: str, mode: str,
     import dlmrt
     from dlmrt.runtime.torch_backend import TorchBackend
 
-    model = dlmrt.load(model_dir or TINY_MODEL_DIR, dtype=dtype)
+    model = dlmrt.load(model_dir or TINY_MODEL_DIR, dtype=dtype, device=device)
     return model, (TorchBackend(model, mode=mode, max_batch=max_batch) if backend == "torch" else None)
 
 
@@ -219,13 +247,13 @@ def settings_from_options(model, *, gen_length, block_length, policy, steps, rem
                    "built from); reference: LLaDA's plain loop (fixed policy, no cache), the oracle the others are "
                    "tested against.")
 @torch_backend_options
-@engine_options
+@backend_options
 @click.option("--stream", is_flag=True, help="Print committed text block by block as it is decoded.")
 @click.option("--metrics", "show_metrics", is_flag=True, help="Print a metrics table on stderr.")
 @click.option("--json", "as_json", is_flag=True, help="Print outputs and metrics as JSON.")
 @reports_errors
-def generate(model_dir, prompts, prompt_ids, ignore_eos, backend, mode, max_batch, engines, precision, stream,
-             show_metrics, as_json, dtype, **decoding):
+def generate(model_dir, prompts, prompt_ids, ignore_eos, backend, mode, max_batch, device, engines, precision,
+             stream, show_metrics, as_json, dtype, **decoding):
     """Generate from prompts with a decoding policy and cache mode."""
     if prompts and prompt_ids:
         raise click.UsageError("give either --prompt or --prompt-ids, not both")
@@ -239,7 +267,7 @@ def generate(model_dir, prompts, prompt_ids, ignore_eos, backend, mode, max_batc
 
     console = Console(stderr=True)
     model, backend_impl = open_backend(backend, model_dir, dtype=dtype, mode=mode, max_batch=max_batch,
-                                       engines=engines, precision=precision, console=console)
+                                       device=device, engines=engines, precision=precision, console=console)
     settings = settings_from_options(model, ignore_eos=ignore_eos, **decoding)
     batch = [text.encode(model, p) for p in prompts] if prompts else id_prompts
 
@@ -406,7 +434,7 @@ def print_update(model, update, batch_size, as_json):
                    "this GPU (--model the export they were built from).")
 @click.option("--mode", type=click.Choice(MODE_NAMES), default="auto", show_default=True,
               help="torch backend: eager, compile, cudagraph; auto is cudagraph on CUDA, compile on a CPU.")
-@engine_options
+@backend_options
 @click.option("--batch-size", type=click.IntRange(min=1), default=64, show_default=True,
               help="Examples decoded together.")
 @click.option("--json", "json_path", type=click.Path(path_type=Path, dir_okay=False), default=None,
@@ -415,8 +443,8 @@ def print_update(model, update, batch_size, as_json):
               metavar="PATH.png", help="Also plot exact-match against tokens per forward (needs matplotlib).")
 @reports_errors
 def evaluate(model_dir, data, task_names, per_task, split, data_seed, setting_specs, gen_length, block_length,
-             cache, temperature, seed, dtype, steps_per_sync, backend, mode, engines, precision, batch_size,
-             json_path, plot_path):
+             cache, temperature, seed, dtype, steps_per_sync, backend, mode, device, engines, precision,
+             batch_size, json_path, plot_path):
     """Exact-match and speed over a grid of decoding settings: the speed-quality curve."""
     suite_options = {"--tasks": task_names, "--per-task": per_task, "--split": split, "--data-seed": data_seed}
     if data is not None and any(value is not None for value in suite_options.values()):
@@ -441,7 +469,8 @@ def evaluate(model_dir, data, task_names, per_task, split, data_seed, setting_sp
     from dlmrt.runtime import Fixed, GenerationSettings
 
     model, backend_impl = open_backend(backend, model_dir, dtype=dtype, mode=mode, max_batch=batch_size,
-                                       engines=engines, precision=precision, console=Console(stderr=True))
+                                       device=device, engines=engines, precision=precision,
+                                       console=Console(stderr=True))
     gen_length, block_length = lengths_from_options(model, gen_length, block_length)
     base = GenerationSettings(gen_length=gen_length, block_length=block_length, policy=Fixed(),
                               temperature=temperature, seed=seed, cache=cache, steps_per_sync=steps_per_sync)

@@ -263,7 +263,7 @@ def test_a_saved_optimized_model_is_reused(exported, tmp_path):
     settings = GenerationSettings(12, 4, Threshold(0.3), cache="prefix")
     first = Generator(OrtBackend(directory, optimized_model_dir=tmp_path)).generate(PROMPTS, settings).tokens
     saved = sorted(p.name for p in tmp_path.iterdir())
-    assert len(saved) == 4 and all(name.endswith("-all.onnx") for name in saved)
+    assert len(saved) == 4 and all(name.endswith("-all-cpu.onnx") for name in saved)
     second = Generator(OrtBackend(directory, optimized_model_dir=tmp_path)).generate(PROMPTS, settings).tokens
     assert sorted(p.name for p in tmp_path.iterdir()) == saved
     eager = Generator(model, mode="eager").generate(PROMPTS, settings).tokens

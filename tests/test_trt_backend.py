@@ -136,6 +136,7 @@ def test_missing_tensorrt_names_the_extra(tiny_export, store):
     (["--engines", "x"], "--engines and --precision apply to --backend trt"),
     (["--backend", "trt"], "--backend trt needs --model EXPORT_DIR"),
     (["--backend", "ort", "--mode", "eager"], "--mode applies to --backend torch"),
+    (["--backend", "trt", "--model", ".", "--device", "cpu"], "--backend trt runs on the GPU"),
 ])
 def test_cli_option_misuse(command, arguments, message):
     from click.testing import CliRunner
@@ -144,6 +145,17 @@ def test_cli_option_misuse(command, arguments, message):
 
     result = CliRunner().invoke(main, [*command, *arguments])
     assert result.exit_code == 2 and message in result.output, result.output
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU is visible here")
+@pytest.mark.parametrize("backend", ["torch", "ort"])
+def test_cli_device_cuda_without_a_gpu(backend):
+    from click.testing import CliRunner
+
+    from dlmrt.cli import main
+
+    result = CliRunner().invoke(main, ["generate", "--prompt", "add:1+2=", "--backend", backend, "--device", "cuda"])
+    assert result.exit_code == 2 and "sees no CUDA GPU here; use --device cpu" in result.output, result.output
 
 
 def test_cli_eval_through_onnx_runtime(tiny_export):
