@@ -7,9 +7,13 @@
 # GPU paths of quantization, TensorRT builds where TensorRT is installed), the step loop's parity
 # tests under CUDA graphs (K = 1, 4 and a whole block), the step-latency benchmark on LLaDA-8B shapes
 # (scripts/bench_step_latency.py: eager and CUDA graphs, then torch.compile on its own time limit),
-# then plans (and, with TensorRT, builds, inspects and generates through) an engine of the tiny model
-# for the running GPU; the `trt` tests include TrtBackend's token agreement with torch on real engines. Sized to finish in under 8 minutes; each step has its own time limit. Results and logs go to
-# $OUT (else a temp dir).
+# then plans (and, with TensorRT, builds, inspects and generates through) the tiny model's bf16 and
+# fp8 engines for the running GPU; the `trt` tests include TrtBackend's token agreement with torch on
+# real engines. Last, scripts/bench_backends.py runs the tiny export through every backend on the GPU
+# (torch eager and CUDA graphs, ONNX Runtime's CUDA provider with and without CUDA graphs, and the
+# TensorRT engines built here): token agreement with torch and step latency against torch's CUDA
+# graphs. Sized to finish in under 8 minutes; each step has its own time limit. Results and logs go
+# to $OUT (else a temp dir).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 results=${OUT:-$(mktemp -d)}
@@ -47,12 +51,17 @@ step latency-compile 150 "$python" scripts/bench_step_latency.py --modes compile
 export_dir="$results/tiny-export"
 step export 120 "$python" -m dlmrt.cli export -o "$export_dir" --max-batch 8 --max-length 64
 step plan 60 "$python" -m dlmrt.cli build "$export_dir" --target auto --precision fp8 --dry-run
+precisions=""
 if "$python" -c "import tensorrt" 2>/dev/null; then
-    step build 240 "$python" -m dlmrt.cli build "$export_dir" --target auto --precision fp8
+    step build-bf16 180 "$python" -m dlmrt.cli build "$export_dir" --target auto --precision bf16
+    step build-fp8 180 "$python" -m dlmrt.cli build "$export_dir" --target auto --precision fp8
     step inspect 30 "$python" -m dlmrt.cli inspect "$DLMRT_HOME/engines"
     step generate-trt 60 "$python" -m dlmrt.cli generate --backend trt --model "$export_dir" --precision fp8 \
         --prompt "add:762+139=" --metrics
+    precisions=bf16,fp8
 fi
+step backends 120 "$python" scripts/bench_backends.py --export "$export_dir" --precisions "$precisions" \
+    --json "$results/backends.json"
 
 "$python" - "$results/gpu_tests.xml" "$steps" <<'PY'
 import sys
@@ -77,6 +86,6 @@ for line in open(sys.argv[2]):
     table.add_row(f"dlmrt {name} (tiny model)", outcome, seconds)
 Console(width=140).print(table)
 PY
-for log in latency-eager-cudagraph latency-compile; do  # the benchmark's own tables
+for log in latency-eager-cudagraph latency-compile backends; do  # the benchmark's own tables
     [ -f "$results/$log.log" ] && grep -v "^  " "$results/$log.log" | tail -n 30
 done

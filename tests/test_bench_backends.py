@@ -1,0 +1,25 @@
+"""scripts/bench_backends.py (the backends table of scripts/gpu_check.sh), run on its CPU cases."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("onnxruntime")
+
+SCRIPT = Path(__file__).parents[1] / "scripts" / "bench_backends.py"
+
+
+def test_every_cpu_backend_gives_torch_eagers_tokens_and_a_latency(tiny_export, tmp_path):
+    spec = importlib.util.spec_from_file_location("bench_backends", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    found = tmp_path / "backends.json"
+    assert script.main(["--device", "cpu", "--repeats", "1", "--batch", "3", "--export", str(tiny_export),
+                        "--json", str(found)]) == 0
+    rows = json.loads(found.read_text())["cases"]
+    assert [row["setting"] for row in rows] == ["torch eager", "torch compile", "onnxruntime cpu"]
+    assert all(row["same_tokens"] and row["token_agreement"] == 1.0 and row["ms_per_step"] > 0 for row in rows)
