@@ -231,3 +231,24 @@ def test_eval_through_the_engines_scores_as_torch(tiny_export, store):
     with pytest.raises(ArgumentError, match="exceed the batch limit of 4"):
         evaluation.exact_match(ExportedModel.load(tiny_export), examples, settings, batch_size=8,
                                backend=trt_backend)
+
+
+@pytest.mark.parametrize("precision", [None, "bf16", "fp16"])
+def test_inspect_for_an_export_shows_the_engine_the_backend_runs(tiny_export, tmp_path, precision):
+    from click.testing import CliRunner
+
+    from dlmrt.cli import main
+
+    store = EngineStore(tmp_path / "engines")
+    for stored in ("fp16", "bf16"):
+        plan = make_plan(tiny_export, targets.target_named("sm_90"), stored, tensorrt=TENSORRT, store=store.root,
+                         ranges={"batch": DimRange(1, 2, 4)})
+        build.run(plan, store, device="NVIDIA H200", tensorrt_version=TENSORRT, engine_builder=engine_builder)
+    trt_backend, _ = backend(tiny_export, store, precision=precision)
+    arguments = ["inspect", str(store.root), "--for", str(tiny_export), "--target", "sm_90", "--tensorrt", TENSORRT,
+                 "--json", *(["--precision", precision] if precision else [])]
+    result = CliRunner().invoke(main, arguments)
+    assert result.exit_code == 0, result.output
+    [shown] = json.loads(result.output)
+    assert shown["entry"] == str(trt_backend.selected.entry)
+    assert trt_backend.selected.entry.name == f"sm_90-{precision or 'bf16'}"
