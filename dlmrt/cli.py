@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import click
 
 from dlmrt import TINY_MODEL_DIR, __version__
-from dlmrt.cli_errors import UserError, reports_errors, require_onnx_extra
+from dlmrt.cli_errors import UserError, guarded, reports_errors, require_onnx_extra
 from dlmrt.engine_commands import build_command, inspect_command
 
 if TYPE_CHECKING:
@@ -30,17 +30,24 @@ MODE_NAMES = ("auto", "eager", "compile", "cudagraph")
 
 
 def parse_ids(value: str) -> list[int]:
-    try:
-        return [int(part) for part in value.replace(" ", "").split(",") if part]
-    except ValueError:
-        raise click.BadParameter(f"expected comma-separated integers like 1,2,3, got {value!r}",
-                                 param_hint="--prompt-ids") from None
+    """Comma-separated token ids; spaces only around the commas ("1 3" is an error, not 13)."""
+    parts = [part.strip() for part in value.split(",")]
+    if not all(part.isascii() and part.isdigit() and len(part) <= 18 for part in parts):
+        raise click.BadParameter(f"expected comma-separated token ids like 1,2,3, got {value!r}",
+                                 param_hint="--prompt-ids")
+    return [int(part) for part in parts]
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="dlmrt")
-def main() -> None:
+@click.option("--debug", is_flag=True, help="Show the traceback of an internal error (or set DLMRT_DEBUG=1).")
+def main(debug: bool) -> None:
     """dlmrt: fast inference for diffusion language models (LLaDA, LLaDA2.x, ORL)."""
+
+
+def run() -> None:
+    """The installed `dlmrt` command: the group under the guard of last resort."""
+    sys.exit(guarded(main, sys.argv[1:]))
 
 
 main.add_command(build_command)
@@ -550,4 +557,4 @@ def results_table(results: Sequence[SettingScore], title: str) -> Table:
     return table
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

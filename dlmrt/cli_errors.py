@@ -1,8 +1,16 @@
-"""How the command line reports a user's error: one line, exit status 2, no traceback (a missing extra too)."""
+"""How the command line reports errors: a user's error is one line with exit status 2 (a missing extra
+too); an internal error, the guard of last resort, is one line asking for a bug report, with exit
+status 70 and its traceback only under `--debug` or DLMRT_DEBUG=1.
+
+The guard wraps the installed `dlmrt` command (`guarded`), not the click group: tests invoke the
+group, so any exception that is not a DlmrtError still fails them.
+"""
 
 from __future__ import annotations
 
 import functools
+import os
+from collections.abc import Callable
 
 import click
 
@@ -33,3 +41,24 @@ def require_onnx_extra() -> None:
     if missing:
         raise UserError(f"the ONNX path needs {', '.join(missing)}: pip install 'dlmrt[onnx]' "
                         f"(or 'dlmrt[onnx-gpu]' on a GPU machine)")
+
+
+DEBUG_VARIABLE = "DLMRT_DEBUG"
+INTERNAL_ERROR_STATUS = 70  # EX_SOFTWARE, sysexits.h
+
+
+def guarded(command: Callable[[], object], argv: list[str]) -> int:
+    """Run the click `command` as the `dlmrt` executable: click reports usage errors and exits; any
+    other exception becomes one line naming the subcommand, unless debugging was asked for."""
+    try:
+        command()
+    except Exception as error:  # noqa: BLE001  (the guard of last resort)
+        if os.environ.get(DEBUG_VARIABLE, "") not in ("", "0") or "--debug" in argv:
+            raise
+        subcommand = next((a for a in argv if not a.startswith("-")), "")
+        click.echo(f"dlmrt {subcommand}: internal error ({type(error).__name__}: {str(error)[:300]}). This is a "
+                   f"bug in dlmrt, not in your input: please report it with the command you ran, and the "
+                   f"traceback that `{DEBUG_VARIABLE}=1 dlmrt ...` (or `dlmrt --debug ...`) prints.",
+                   err=True)
+        return INTERNAL_ERROR_STATUS
+    return 0

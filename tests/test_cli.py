@@ -60,7 +60,10 @@ def test_text_output_is_one_line_per_prompt(model_dir):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--prompt-ids", "1,x"], "expected comma-separated integers"),
+    (["--prompt-ids", "1,x"], "expected comma-separated token ids"),
+    (["--prompt-ids", "1 3,1 6"], "expected comma-separated token ids like 1,2,3, got '1 3,1 6'"),  # not [13, 16]
+    (["--prompt-ids", "1_3"], "expected comma-separated token ids"),
+    (["--prompt-ids", "5,"], "expected comma-separated token ids"),
     (["--prompt-ids", "5,999"], "prompt 0 has token ids outside the vocabulary [0, 43): [999]"),
     (["--prompt-ids", "5", "--gen-length", "10", "--block-length", "4"],
      "gen-length (10) must be divisible by block-length (4)"),
@@ -125,3 +128,28 @@ def test_the_onnx_path_names_its_extra_when_missing(model_dir, monkeypatch):
         result = run(*args)
         assert result.exit_code == 2 and "Traceback" not in result.output
         assert "the ONNX path needs onnxruntime: pip install 'dlmrt[onnx]'" in result.output
+
+
+def test_an_internal_error_is_one_line_asking_for_a_report(monkeypatch, capsys):
+    """The installed command's guard of last resort; the tests' CliRunner calls bypass it."""
+    from dlmrt import cli
+
+    def broken(*args, **kwargs):
+        raise KeyError("deep inside")
+
+    monkeypatch.setattr(cli, "settings_from_options", broken)
+    monkeypatch.delenv("DLMRT_DEBUG", raising=False)
+    argv = ["generate", "--prompt-ids", "5", "--backend", "reference"]
+    monkeypatch.setattr("sys.argv", ["dlmrt", *argv])
+    with pytest.raises(SystemExit) as exit_:
+        cli.run()
+    err = capsys.readouterr().err
+    assert exit_.value.code == 70 and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert err.startswith("dlmrt generate: internal error (KeyError: 'deep inside'). This is a bug in dlmrt")
+    for debug in (["--debug"], []):
+        monkeypatch.setattr("sys.argv", ["dlmrt", *debug, *argv])
+        if not debug:
+            monkeypatch.setenv("DLMRT_DEBUG", "1")
+        with pytest.raises(KeyError, match="deep inside"):
+            cli.run()
+    assert isinstance(run(*argv).exception, KeyError)  # what the tests see
