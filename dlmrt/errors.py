@@ -27,3 +27,7 @@ class MissingExtraError(DlmrtError, ImportError):
 
 class KernelInputError(DlmrtError, ValueError):
     """Tensors handed to a kernel or plugin have the wrong dtype, shape, device or size."""
+
+
+class ResourceError(DlmrtError):
+    """What was asked for cannot fit in this machine's memory, or in the configured limit."""

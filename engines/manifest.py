@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import datetime
 import json
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
-from dlmrt import __version__
+from dlmrt import __version__, json_files
 from dlmrt.engines.store import MANIFEST, TIMING_CACHE, engine_file
 from dlmrt.errors import DlmrtError
 from dlmrt.hashing import sha256_of
@@ -21,6 +21,12 @@ if TYPE_CHECKING:
     from dlmrt.engines.plan import BuildPlan
 
 FORMAT_VERSION = 1
+# What the readers (selection, inspect, TrtBackend) take from a manifest, with its JSON type; a
+# manifest without one of them, or with another type, is refused as a whole.
+REQUIRED = {"model": str, "target": str, "compute_capability": str, "precision": str, "tensorrt_version": str,
+            "ranges": dict, "plugins": list, "graphs": dict}
+REQUIRED_PER_GRAPH = {"onnx": str, "onnx_sha256": str, "engine": str, "engine_sha256": str}
+REQUIRED_PER_PLUGIN = {"namespace": str, "name": str, "version": str}
 
 
 class ManifestError(DlmrtError):
@@ -67,14 +73,31 @@ def read(entry: Path) -> dict:
     path = Path(entry) / MANIFEST
     if not path.is_file():
         raise ManifestError(f"{entry} holds no {MANIFEST}: it is not an engine built by `dlmrt build`")
-    try:
-        manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise ManifestError(f"{path} is not valid JSON ({error}): rebuild the engine") from None
+    manifest = json_files.read(path, ManifestError, "rebuild the engine")
     if manifest.get("format_version") != FORMAT_VERSION:
-        raise ManifestError(f"{path} has format version {manifest.get('format_version')!r}, this dlmrt reads "
-                            f"{FORMAT_VERSION}: rebuild the engine with this dlmrt")
+        raise ManifestError(f"{path} has format version {str(manifest.get('format_version'))[:20]!r}, this dlmrt "
+                            f"reads {FORMAT_VERSION}: rebuild the engine with this dlmrt")
+    _check_fields(manifest, REQUIRED, path, "")
+    for name, graph in manifest["graphs"].items():
+        _check_fields(graph, REQUIRED_PER_GRAPH, path, f"graphs.{name}.")
+        engine = PurePosixPath(graph["engine"])
+        if engine.is_absolute() or ".." in engine.parts or "\\" in graph["engine"]:
+            raise ManifestError(f"{path}: graphs.{name}.engine must be a path inside the entry, got "
+                                f"{graph['engine'][:80]!r}: rebuild the engine")
+    for index, plugin in enumerate(manifest["plugins"]):
+        _check_fields(plugin, REQUIRED_PER_PLUGIN, path, f"plugins[{index}].")
+    if not all(isinstance(value, str) for value in manifest["ranges"].values()):
+        raise ManifestError(f"{path}: every value of ranges must be a string like '1:4:8': rebuild the engine")
     return manifest
+
+
+def _check_fields(record: object, required: dict[str, type], path: Path, prefix: str) -> None:
+    if not isinstance(record, dict):
+        raise ManifestError(f"{path}: {prefix.rstrip('.') or 'the manifest'} must be an object: rebuild the engine")
+    for key, kind in required.items():
+        if not isinstance(record.get(key), kind):
+            found = "missing" if key not in record else f"{type(record[key]).__name__}, not {kind.__name__}"
+            raise ManifestError(f"{path}: {prefix}{key} is {found}: rebuild the engine")
 
 
 def problems(entry: Path, manifest: dict) -> list[str]:

@@ -18,7 +18,8 @@ import onnx
 from dlmrt.engines import plugin_specs, profiles
 from dlmrt.engines.targets import Target, check_precision
 from dlmrt.errors import DlmrtError
-from dlmrt.export.export_manifest import ExportManifest
+from dlmrt.export import generation_config
+from dlmrt.export.export_manifest import ExportManifest, ExportManifestError
 
 PLAN_VERSION = 1
 DEFAULT_GRAPHS = ("full", "cached")
@@ -83,9 +84,7 @@ class BuildPlan:
 
 def _block_length(export_dir: Path) -> int:
     """The model's default block length (the window most steps run over), from its generation config."""
-    path = export_dir / "generation_config.json"
-    config = json.loads(path.read_text()) if path.is_file() else {}
-    return int(config.get("block_length") or 32)
+    return generation_config.read(export_dir, ExportManifestError).get("block_length", 32)
 
 
 def typing_for(tensorrt_version: str) -> str:

@@ -20,9 +20,9 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
-from dlmrt import atomic
+from dlmrt import atomic, json_files
 from dlmrt.errors import ArgumentError, CheckpointError
-from dlmrt.export import models
+from dlmrt.export import generation_config, models
 from dlmrt.export.models import Denoiser, SpecialTokens
 
 SINGLE_FILE = "model.safetensors"
@@ -49,15 +49,7 @@ def resolve_dtype(dtype: str | torch.dtype, config: Mapping[str, Any] | None = N
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as error:
-        raise CheckpointError(f"{path}: cannot be read ({error})") from None
-    except json.JSONDecodeError as error:
-        raise CheckpointError(f"{path}: is not valid JSON ({error})") from None
-    if not isinstance(value, dict):
-        raise CheckpointError(f"{path}: must hold a JSON object, got {type(value).__name__}")
-    return value
+    return json_files.read(path, CheckpointError)
 
 
 def read_config(root: Path) -> dict[str, Any]:
@@ -89,11 +81,6 @@ def _token_ids(value: Any, source: str, field: str) -> tuple[int, ...]:
         raise CheckpointError(f"{source}: field '{field}' must be an integer or a list of integers, "
                               f"got {json.dumps(value)}")
     return tuple(values)
-
-
-def read_generation_config(root: Path) -> dict[str, Any]:
-    path = root / "generation_config.json"
-    return _read_json(path) if path.is_file() else {}
 
 
 def resolve_special_tokens(root: Path, config: Mapping[str, Any], generation: Mapping[str, Any],
@@ -152,6 +139,9 @@ def tensor_files(root: Path) -> dict[str, Path]:
             raise CheckpointError(f"{index_path}: field 'weight_map' must be an object mapping tensor "
                                   f"names to shard file names")
         for shard in sorted(set(weight_map.values())):
+            if Path(shard).name != shard or shard in ("", ".", ".."):
+                raise CheckpointError(f"{index_path}: shard {shard[:100]!r} is not a file name: shards are read "
+                                      f"from the model directory itself, never from another")
             if not (root / shard).is_file():
                 raise CheckpointError(f"{index_path}: lists shard {shard}, which is missing from {root}")
         return {name: root / shard for name, shard in weight_map.items()}
@@ -204,9 +194,9 @@ def load(path: str | os.PathLike, *, dtype: str | torch.dtype = "float32", devic
     models.family_of(raw, source)
     torch_dtype = resolve_dtype(dtype, raw)
     tokenizer = load_tokenizer(root)
-    generation = read_generation_config(root)
+    generation = generation_config.read(root)
     tokens = resolve_special_tokens(root, raw, generation, tokenizer, mask_id, eos_id, pad_id)
-    model = models.build(raw, source, tokens)
+    model = models.build(raw, source, tokens, dtype=torch_dtype, device=device)
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     files = tensor_files(root)
     _check_weights(root, expected, files, raw["model_type"])

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from dlmrt import atomic
+from dlmrt import atomic, json_files
 from dlmrt.errors import CheckpointError
 from dlmrt.export.models.denoiser import SpecialTokens
 from dlmrt.export.step_graph import GRAPHS, GUIDED_GRAPHS
@@ -99,10 +99,7 @@ class ExportManifest:
         if not path.is_file():
             raise ExportManifestError(f"{export_dir} is not a dlmrt export (no {MANIFEST_FILE}): create one with "
                                       f"`dlmrt export MODEL_DIR -o {export_dir}`")
-        try:
-            data = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise ExportManifestError(f"{path} is not valid JSON ({error}): {_REEXPORT}") from None
+        data = json_files.read(path, ExportManifestError, _REEXPORT, require_object=False)
         return cls.from_dict(data, source=str(path))
 
     @classmethod
@@ -112,9 +109,12 @@ class ExportManifest:
         manifest.check_files(export_dir)
         return manifest
 
-    def check_files(self, export_dir: str | Path) -> None:
+    def check_files(self, export_dir: str | Path, names: tuple[str, ...] | None = None) -> None:
+        """Every file (or those of `names` the manifest records) against its recorded sha256."""
         export_dir = Path(export_dir)
         for name, expected in self.files.items():
+            if names is not None and name not in names:
+                continue
             file = export_dir / name
             if not file.is_file():
                 raise ExportManifestError(f"{file} is missing from the export: {_REEXPORT}")

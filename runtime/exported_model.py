@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dlmrt.export.export_manifest import ExportManifest
+from dlmrt.export import generation_config
+from dlmrt.export.checkpoint import load_tokenizer
+from dlmrt.export.export_manifest import ExportManifest, ExportManifestError
 from dlmrt.export.models.denoiser import SpecialTokens
 
 
@@ -24,13 +25,11 @@ class ExportedModel:
 
     @classmethod
     def load(cls, export_dir: str | Path) -> ExportedModel:
-        from tokenizers import Tokenizer
-
+        """The export's text-side facts; its tokenizer and generation config are checked against their
+        sha256 before either is read."""
         export_dir = Path(export_dir)
         manifest = ExportManifest.read(export_dir)
-        tokenizer_path = export_dir / "tokenizer.json"
-        generation_path = export_dir / "generation_config.json"
+        manifest.check_files(export_dir, names=("tokenizer.json", generation_config.FILE))
         return cls(name=manifest.model.name, tokens=manifest.tokens, block_causal=manifest.model.block_causal,
-                   default_block_length=manifest.model.block_grid,
-                   tokenizer=Tokenizer.from_file(str(tokenizer_path)) if tokenizer_path.is_file() else None,
-                   generation_config=json.loads(generation_path.read_text()) if generation_path.is_file() else {})
+                   default_block_length=manifest.model.block_grid, tokenizer=load_tokenizer(export_dir),
+                   generation_config=generation_config.read(export_dir, ExportManifestError))

@@ -51,7 +51,7 @@ def test_directory_without_config(tmp_path):
 
 def test_config_that_is_not_json(llada_dir):
     (llada_dir / "config.json").write_text("{not json")
-    with pytest.raises(CheckpointError, match=r"config.json: is not valid JSON"):
+    with pytest.raises(CheckpointError, match=r"config.json is not valid JSON"):
         dlmrt.load(llada_dir)
 
 

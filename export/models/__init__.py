@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dlmrt import limits
 from dlmrt.errors import CheckpointError, UnsupportedFeatureError
 from dlmrt.export.models import llada, llada2_moe, residual
 from dlmrt.export.models.denoiser import Denoiser, DenoiserOutput, PastKV, SpecialTokens
@@ -30,11 +31,13 @@ class Family:
     architecture: str  # the Hugging Face class in config.json's "architectures"
     parse_config: Callable[[dict, str], Any]
     model_class: type[Denoiser]
+    parameter_count: Callable[[Any], int]  # of a parsed config: what the weights' memory is estimated from
 
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
-    Family("llada", "LLaDAModelLM", llada.parse_config, llada.LLaDA),
-    Family("llada2_moe", "LLaDA2MoeModelLM", llada2_moe.parse_config, llada2_moe.LLaDA2Moe),
+    Family("llada", "LLaDAModelLM", llada.parse_config, llada.LLaDA, llada.parameter_count),
+    Family("llada2_moe", "LLaDA2MoeModelLM", llada2_moe.parse_config, llada2_moe.LLaDA2Moe,
+           llada2_moe.parameter_count),
 )}
 
 
@@ -43,17 +46,26 @@ def family_of(raw: Mapping[str, Any], source: str) -> Family:
     if model_type is None:
         raise CheckpointError(f"{source}: required field 'model_type' is missing "
                               f"(expected one of: {', '.join(FAMILIES)})")
+    if not isinstance(model_type, str):
+        raise CheckpointError(f"{source}: field 'model_type' must be a string (one of: {', '.join(FAMILIES)}), "
+                              f"got {type(model_type).__name__}")
     if model_type not in FAMILIES:
-        raise UnsupportedFeatureError(f"{source}: model_type {model_type!r} is not supported "
+        raise UnsupportedFeatureError(f"{source}: model_type {model_type[:80]!r} is not supported "
                                       f"(supported: {', '.join(FAMILIES)})")
     return FAMILIES[model_type]
 
 
-def build(raw: Mapping[str, Any], source: str, tokens: SpecialTokens | None) -> Denoiser:
-    """The family's module tree on the meta device, config checked; weights come from the loader."""
+def build(raw: Mapping[str, Any], source: str, tokens: SpecialTokens | None, *,
+          dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Denoiser:
+    """The family's module tree on the meta device, config checked, and refused before it is built
+    when its weights in `dtype` cannot fit on `device`; weights come from the loader."""
     family = family_of(raw, source)
     config = family.parse_config(dict(raw), source)
     residual_config = residual.parse_config(raw.get("residual_context"), source)
+    weights = family.parameter_count(config) * torch.tensor([], dtype=dtype).element_size()
+    limits.check_fits(weights, f"{source}: the model's weights in {str(dtype).removeprefix('torch.')}", device,
+                      f"load it in a smaller dtype (--dtype bfloat16), on a larger device, or check the config's "
+                      f"sizes (or set {limits.MEMORY_LIMIT_VARIABLE})")
     if residual_config is not None and tokens is None:
         raise CheckpointError(f"{source}: residual_context needs the mask token id (set mask_token_id)")
     with torch.device("meta"):
@@ -64,6 +76,12 @@ def build(raw: Mapping[str, Any], source: str, tokens: SpecialTokens | None) -> 
             if not 0 <= value < model.vocab_size:
                 raise CheckpointError(f"{source}: the {name} token id {value} lies outside the "
                                       f"vocabulary [0, {model.vocab_size})")
+        clashes = [name for name, value in (("pad", tokens.pad_id), *(("eos", e) for e in tokens.eos_ids))
+                   if value == tokens.mask_id]
+        if clashes:
+            raise CheckpointError(f"{source}: the {' and '.join(dict.fromkeys(clashes))} token id equals the mask "
+                                  f"token id {tokens.mask_id}: a masked position would read as "
+                                  f"{'padding' if clashes[0] == 'pad' else 'end of sequence'}; set a distinct id")
     model.raw_config = dict(raw)
     return model
 
@@ -75,7 +93,7 @@ def create(raw: Mapping[str, Any], *, tokens: SpecialTokens | None = None, seed:
 
     Only for training, tests and benchmarks: loading a checkpoint never initializes randomly.
     """
-    model = build(raw, "config", tokens)
+    model = build(raw, "config", tokens, device=device)  # initialized in float32, then cast
     model.to_empty(device=device)
     generator = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():

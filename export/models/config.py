@@ -1,8 +1,10 @@
 """Typed parsing of a Hugging Face config.json into a frozen dataclass.
 
 Every family declares its config as a dataclass; `parse` checks that each field
-is present (unless it has a default) and of the annotated JSON type, and that
-fields naming architecture features hold a value the family implements. Errors
+is present (unless it has a default) and of the annotated JSON type, that a
+number is finite and an integer fits in 64 bits, and that fields naming
+architecture features hold a value the family implements. `require_sizes`
+bounds the sizes that drive allocations and loops (`dlmrt.limits`). Errors
 name the file, the field, what was expected and what was found.
 """
 
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import types
 import typing
 from collections.abc import Mapping
@@ -62,7 +65,7 @@ def parse(cls: type[C], raw: Mapping[str, Any], source: Path | str,
     value raises UnsupportedFeatureError before a weight is read.
     """
     for key, allowed in (supported or {}).items():
-        if key in raw and raw[key] not in allowed:
+        if key in raw and not any(type(raw[key]) is type(a) and raw[key] == a for a in allowed):
             choices = ", ".join(_json(a) for a in allowed)
             raise UnsupportedFeatureError(
                 f"{source}: {key}={_json(raw[key])} is not supported by dlmrt (supported: {choices})")
@@ -81,8 +84,26 @@ def parse(cls: type[C], raw: Mapping[str, Any], source: Path | str,
         if not _matches(value, kind):
             raise CheckpointError(
                 f"{source}: field '{field.name}' must be {_describe(kind)}, got {_found(value)}")
+        if isinstance(value, int) and not isinstance(value, bool) and not -2**63 <= value < 2**63:
+            raise CheckpointError(f"{source}: field '{field.name}' does not fit in 64 bits, got {_short(value)}")
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and kind is float \
+                and not math.isfinite(float(value)):
+            raise CheckpointError(f"{source}: field '{field.name}' must be a finite number, got {_short(value)}")
         values[field.name] = float(value) if kind is float else value
     return cls(**values)
+
+
+def _short(value: Any) -> str:
+    text = str(value)
+    return text if len(text) <= 40 else f"{text[:20]}...({len(text)} digits)"
+
+
+def require_sizes(config: Any, source: Path | str, bounds: Mapping[str, int]) -> None:
+    """Each named size of `config` (a field or property, None for unset) lies in [1, its bound]."""
+    for name, bound in bounds.items():
+        value = getattr(config, name)
+        if value is not None and not 1 <= value <= bound:
+            raise CheckpointError(f"{source}: {name} must lie in [1, {bound}], got {_short(value)}")
 
 
 def require(condition: bool, source: Path | str, message: str) -> None:

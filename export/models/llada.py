@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dlmrt import limits
 from dlmrt.export.models import config as config_parsing
 from dlmrt.export.models.denoiser import Denoiser, SpecialTokens
 from dlmrt.export.models.layers import RMSNorm, apply_rotary, attend, with_past
@@ -68,9 +69,12 @@ SUPPORTED_FEATURES = {
 
 def parse_config(raw: dict, source: str) -> LLaDAConfig:
     c = config_parsing.parse(LLaDAConfig, raw, source, SUPPORTED_FEATURES)
-    for name in ("d_model", "n_heads", "n_layers", "vocab_size", "mlp_width", "kv_heads",
-                 "max_sequence_length"):
-        config_parsing.require(getattr(c, name) > 0, source, f"{name} must be positive")
+    config_parsing.require_sizes(c, source, {
+        "d_model": limits.MAX_WIDTH, "n_heads": limits.MAX_HEADS, "n_layers": limits.MAX_LAYERS,
+        "vocab_size": limits.MAX_VOCAB, "embedding_size": limits.MAX_VOCAB, "mlp_ratio": limits.MAX_WIDTH,
+        "mlp_width": limits.MAX_WIDTH, "kv_heads": limits.MAX_HEADS, "max_sequence_length": limits.MAX_POSITIONS})
+    config_parsing.require(0 < c.rms_norm_eps < 1, source, f"rms_norm_eps must lie in (0, 1), got {c.rms_norm_eps}")
+    config_parsing.require(c.rope_theta > 0, source, f"rope_theta must be positive, got {c.rope_theta}")
     config_parsing.require(c.d_model % c.n_heads == 0, source,
                            f"d_model ({c.d_model}) must be divisible by n_heads ({c.n_heads})")
     config_parsing.require(c.n_heads % c.kv_heads == 0, source,
@@ -80,6 +84,14 @@ def parse_config(raw: dict, source: str) -> LLaDAConfig:
     config_parsing.require(c.embedding_size is None or c.embedding_size >= c.vocab_size, source,
                            f"embedding_size ({c.embedding_size}) must be at least vocab_size ({c.vocab_size})")
     return c
+
+
+def parameter_count(c: LLaDAConfig) -> int:
+    """The weights of the embedding, the head and the blocks' matrices (norms and biases left out)."""
+    head_dim = c.d_model // c.n_heads
+    block = 2 * c.d_model * c.d_model + 2 * c.d_model * c.kv_heads * head_dim + 3 * c.d_model * c.mlp_width
+    rows = c.embedding_size or c.vocab_size
+    return rows * c.d_model * (1 if c.weight_tying else 2) + c.n_layers * block
 
 
 class LLaDABlock(nn.Module):

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dlmrt import limits
 from dlmrt.export.models import config as config_parsing
 from dlmrt.export.models.denoiser import Denoiser, SpecialTokens
 from dlmrt.export.models.layers import RMSNorm, SwiGLU, apply_rotary, attend, in_fixed_shape_graph, with_past
@@ -80,9 +81,17 @@ SUPPORTED_FEATURES = {
 def parse_config(raw: dict, source: str) -> LLaDA2MoeConfig:
     c = config_parsing.parse(LLaDA2MoeConfig, raw, source, SUPPORTED_FEATURES)
     require = config_parsing.require
-    for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                 "intermediate_size", "vocab_size", "dim_per_head", "max_position_embeddings"):
-        require(getattr(c, name) > 0, source, f"{name} must be positive")
+    config_parsing.require_sizes(c, source, {
+        "hidden_size": limits.MAX_WIDTH, "num_hidden_layers": limits.MAX_LAYERS,
+        "num_attention_heads": limits.MAX_HEADS, "num_key_value_heads": limits.MAX_HEADS,
+        "intermediate_size": limits.MAX_WIDTH, "vocab_size": limits.MAX_VOCAB, "dim_per_head": limits.MAX_WIDTH,
+        "max_position_embeddings": limits.MAX_POSITIONS, "num_experts": limits.MAX_EXPERTS,
+        "num_experts_per_tok": limits.MAX_EXPERTS, "moe_intermediate_size": limits.MAX_WIDTH,
+        "n_group": limits.MAX_EXPERTS, "topk_group": limits.MAX_EXPERTS})
+    require(0 < c.rms_norm_eps < 1, source, f"rms_norm_eps must lie in (0, 1), got {c.rms_norm_eps}")
+    require(c.rope_theta > 0, source, f"rope_theta must be positive, got {c.rope_theta}")
+    require(0 <= (c.num_shared_experts or 0) <= limits.MAX_EXPERTS, source,
+            f"num_shared_experts must lie in [0, {limits.MAX_EXPERTS}]")
     require(c.num_attention_heads % c.num_key_value_heads == 0, source,
             f"num_attention_heads ({c.num_attention_heads}) must be divisible by "
             f"num_key_value_heads ({c.num_key_value_heads})")
@@ -104,6 +113,19 @@ def parse_config(raw: dict, source: str) -> LLaDA2MoeConfig:
             require(c.num_experts_per_tok <= chosen * (c.num_experts // groups), source,
                     "num_experts_per_tok exceeds the experts in the topk_group chosen groups")
     return c
+
+
+def parameter_count(c: LLaDA2MoeConfig) -> int:
+    """The weights of the embedding, the head and the layers' matrices (norms and biases left out)."""
+    heads, kv, head = c.num_attention_heads, c.num_key_value_heads, c.dim_per_head
+    attention = c.hidden_size * (heads + 2 * kv) * head + heads * head * c.hidden_size
+    dense = 3 * c.hidden_size * c.intermediate_size
+    moe = 0
+    if c.num_experts is not None:
+        experts = c.num_experts + (c.num_shared_experts or 0)
+        moe = experts * 3 * c.hidden_size * c.moe_intermediate_size + c.num_experts * c.hidden_size
+    layers = sum(attention + (moe if c.is_moe_layer(i) else dense) for i in range(c.num_hidden_layers))
+    return c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2) + layers
 
 
 class Attention(nn.Module):

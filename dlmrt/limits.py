@@ -1,0 +1,52 @@
+"""Resource limits, checked before anything is allocated.
+
+Sizes that drive a loop or an allocation (layers, experts, widths, vocabulary, positions) are bounded
+by the MAX_ constants, far above any released model: a config beyond them is refused before a
+module is built. Memory is estimated from the config (and the request, for the step loop's buffers)
+and refused when it exceeds this machine's memory, or DLMRT_MEMORY_LIMIT_GIB where that is set.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from dlmrt.errors import ArgumentError, ResourceError
+
+MAX_LAYERS = 1024
+MAX_EXPERTS = 4096
+MAX_WIDTH = 1 << 17  # hidden and MLP sizes
+MAX_HEADS = 1024
+MAX_VOCAB = 1 << 22
+MAX_POSITIONS = 1 << 24
+MEMORY_LIMIT_VARIABLE = "DLMRT_MEMORY_LIMIT_GIB"
+GiB = 2**30
+
+
+def memory_budget(device: str | torch.device) -> tuple[int, str]:
+    """(bytes, what they are) that an allocation on `device` may use."""
+    device = torch.device(device)
+    configured = os.environ.get(MEMORY_LIMIT_VARIABLE)
+    if configured:
+        try:
+            limit = float(configured)
+        except ValueError:
+            limit = -1.0
+        if not 0 < limit < 2**40:
+            raise ArgumentError(f"{MEMORY_LIMIT_VARIABLE}={configured!r} must be a positive number of GiB")
+        return int(limit * GiB), f"{MEMORY_LIMIT_VARIABLE}={configured}"
+    if device.type == "cuda" and torch.cuda.is_available():
+        total = torch.cuda.get_device_properties(device).total_memory
+        return total, f"the memory of {torch.cuda.get_device_name(device)}"
+    if device.type == "meta":
+        return 1 << 62, "the meta device"
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's memory"
+
+
+def check_fits(needed: int, what: str, device: str | torch.device, hint: str) -> None:
+    """Refuse `needed` bytes for `what` on `device` beyond the budget, with `hint` on what to do."""
+    budget, of = memory_budget(device)
+    if needed > budget:
+        raise ResourceError(f"{what} needs {needed / GiB:,.1f} GiB, more than {of} ({budget / GiB:,.1f} GiB): "
+                            f"{hint}")
