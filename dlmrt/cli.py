@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from dlmrt import TINY_MODEL_DIR, __version__
+from dlmrt import TINY_MODEL_DIR, __version__, limits
 from dlmrt.cli_errors import UserError, guarded, reports_errors, require_onnx_extra
 from dlmrt.engine_commands import build_command, inspect_command
 
@@ -27,6 +27,25 @@ DTYPE_CHOICES = ("float32", "bfloat16", "float16", "fp32", "bf16", "fp16", "auto
 POLICY_NAMES = ("fixed", "threshold", "factor", "llada2", "residual")
 CACHE_NAMES = ("none", "prefix", "dual")
 MODE_NAMES = ("auto", "eager", "compile", "cudagraph")
+
+
+class Float32(click.ParamType):
+    """A number the step's float32 tensors hold: finite, at most FLOAT32_MAX in magnitude."""
+
+    name = "float"
+
+    def convert(self, value, param, ctx):
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a number", param, ctx)
+        problem = limits.float32_problem(number)
+        if problem:
+            self.fail(problem, param, ctx)
+        return number
+
+
+FLOAT32 = Float32()
 
 
 def parse_ids(value: str) -> list[int]:
@@ -78,11 +97,11 @@ DECODING_OPTIONS = {
         "--remasking", type=click.Choice(("low_confidence", "random")), default="low_confidence",
         show_default=True, help="fixed: how to pick the positions committed at each step."),
     "threshold": click.option(
-        "--threshold", type=float, default=None,
+        "--threshold", type=FLOAT32, default=None,
         help="threshold, residual: commit every position at least this confident [default: 0.9]; "
              "llada2: strictly above [default: 0.95]."),
     "factor": click.option(
-        "--factor", type=float, default=None, help="factor, residual: Fast-dLLM's factor rule [default: 1.0]."),
+        "--factor", type=FLOAT32, default=None, help="factor, residual: Fast-dLLM's factor rule [default: 1.0]."),
     "confidence": click.option(
         "--confidence", type=click.Choice(("prob", "margin", "entropy")), default="prob", show_default=True,
         help="Confidence measure for threshold, factor, llada2, residual."),
@@ -100,13 +119,13 @@ DECODING_OPTIONS = {
         help="Steps run on the device between two reads of whether the block is done [default: 1 on a CPU; "
              "on CUDA, what the tokens per forward so far say the block needs]."),
     "temperature": click.option(
-        "--temperature", type=float, default=0.0, show_default=True,
+        "--temperature", type=FLOAT32, default=0.0, show_default=True,
         help="Gumbel-noise temperature; 0 is greedy."),
     "cfg_scale": click.option(
-        "--cfg-scale", type=float, default=0.0, show_default=True,
+        "--cfg-scale", type=FLOAT32, default=0.0, show_default=True,
         help="Classifier-free guidance scale; 0 turns it off."),
     "seed": click.option(
-        "--seed", type=int, default=0, show_default=True,
+        "--seed", type=click.IntRange(0, limits.MAX_SEED), default=0, show_default=True,
         help="Seed for sampling and random remasking (row i uses seed + i)."),
     "dtype": click.option(
         "--dtype", type=click.Choice(DTYPE_CHOICES), default="float32", show_default=True,
@@ -276,6 +295,8 @@ def generate(model_dir, prompts, prompt_ids, ignore_eos, backend, mode, max_batc
     model, backend_impl = open_backend(backend, model_dir, dtype=dtype, mode=mode, max_batch=max_batch,
                                        device=device, engines=engines, precision=precision, console=console)
     settings = settings_from_options(model, ignore_eos=ignore_eos, **decoding)
+    for number, prompt in enumerate(prompts, start=1):
+        text.require_utf8(prompt, f"--prompt {number}" if len(prompts) > 1 else "--prompt")
     batch = [text.encode(model, p) for p in prompts] if prompts else id_prompts
 
     if backend == "reference":

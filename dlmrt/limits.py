@@ -8,11 +8,14 @@ and refused when it exceeds this machine's memory, or DLMRT_MEMORY_LIMIT_GIB whe
 
 from __future__ import annotations
 
+import math
 import os
-
-import torch
+from typing import TYPE_CHECKING
 
 from dlmrt.errors import ArgumentError, ResourceError
+
+if TYPE_CHECKING:
+    import torch
 
 MAX_LAYERS = 1024
 MAX_EXPERTS = 4096
@@ -22,10 +25,25 @@ MAX_VOCAB = 1 << 22
 MAX_POSITIONS = 1 << 24
 MEMORY_LIMIT_VARIABLE = "DLMRT_MEMORY_LIMIT_GIB"
 GiB = 2**30
+# What the step's tensors hold: thresholds, factors, temperatures and guidance scales are float32;
+# a row's seed is int64, and row i of a batch uses seed + i.
+FLOAT32_MAX = 3.4028234663852886e38
+MAX_SEED = 2**62
+
+
+def float32_problem(value: float) -> str | None:
+    """Why `value` cannot be a float32 step input, or None when it can."""
+    if not math.isfinite(value):
+        return f"must be a finite number, got {value}"
+    if abs(value) > FLOAT32_MAX:
+        return f"must fit in float32 (at most {FLOAT32_MAX:.3g} in magnitude), got {value:.3g}"
+    return None
 
 
 def memory_budget(device: str | torch.device) -> tuple[int, str]:
     """(bytes, what they are) that an allocation on `device` may use."""
+    import torch
+
     device = torch.device(device)
     configured = os.environ.get(MEMORY_LIMIT_VARIABLE)
     if configured:

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from torch import Tensor
 
+from dlmrt import limits
 from dlmrt.errors import ArgumentError
 from dlmrt.plugins.parallel_unmask import CONFIDENCE_MEASURES, strictly_above
 
@@ -107,6 +108,9 @@ class Fixed(Policy):
         steps = self.total_steps(settings)
         if steps <= 0:
             raise ArgumentError(f"steps must be positive, got {steps}")
+        if steps > settings.gen_length:
+            raise ArgumentError(f"steps ({steps}) must be at most gen-length ({settings.gen_length}): LLaDA's "
+                                f"schedule commits nothing in the steps beyond one per token")
         if steps % settings.num_blocks:
             raise ArgumentError(f"steps ({steps}) must be divisible by the number of blocks "
                                 f"(gen-length / block-length = {settings.num_blocks})")
@@ -152,8 +156,9 @@ class Factor(_AtLeastOnePerStep):
         return self.factor
 
     def validate(self, settings: GenerationSettings) -> None:
-        if not self.factor > 0:
-            raise ArgumentError(f"factor must be positive, got {self.factor}")
+        problem = limits.float32_problem(self.factor) if isinstance(self.factor, (int, float)) else "must be a number"
+        if problem or not self.factor > 0:
+            raise ArgumentError(f"factor {problem or f'must be positive, got {self.factor}'}")
         _check_confidence(self.confidence)
 
 

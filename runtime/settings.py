@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from dlmrt import limits
 from dlmrt.errors import ArgumentError
 from dlmrt.runtime.backend import ModelSpec
 from dlmrt.runtime.policies import Fixed, Policy, Residual
@@ -47,8 +48,13 @@ class GenerationSettings:
         their absolute grid, so there any gen-length works, except under the fixed policy, whose
         steps are shared out over gen-length / block-length blocks."""
         for name in ("gen_length", "block_length"):
-            if getattr(self, name) <= 0:
-                raise ArgumentError(f"{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ArgumentError(f"{name.replace('_', '-')} must be an integer, got {value!r}")
+            if value <= 0:
+                raise ArgumentError(f"{name.replace('_', '-')} must be positive, got {value}")
+            if value > limits.MAX_POSITIONS:
+                raise ArgumentError(f"{name.replace('_', '-')} must be at most {limits.MAX_POSITIONS}, got {value}")
         if self.gen_length % self.block_length and not (block_causal and not isinstance(self.policy, Fixed)):
             raise ArgumentError(f"gen-length ({self.gen_length}) must be divisible by block-length "
                                 f"({self.block_length})")
@@ -59,10 +65,13 @@ class GenerationSettings:
         if not isinstance(self.policy, Policy):
             raise ArgumentError(f"policy must be a dlmrt.runtime.policies.Policy, got {self.policy!r}")
         self.policy.validate(self)
-        if not self.temperature >= 0:
-            raise ArgumentError(f"temperature must be >= 0, got {self.temperature}")
-        if not self.cfg_scale >= 0:
-            raise ArgumentError(f"cfg-scale must be >= 0, got {self.cfg_scale}")
+        for name in ("temperature", "cfg_scale"):
+            value = getattr(self, name)
+            problem = limits.float32_problem(value) if isinstance(value, (int, float)) else "must be a number"
+            if problem or not value >= 0:
+                raise ArgumentError(f"{name.replace('_', '-')} {problem or f'must be >= 0, got {value}'}")
+        if not (isinstance(self.seed, int) and not isinstance(self.seed, bool) and 0 <= self.seed <= limits.MAX_SEED):
+            raise ArgumentError(f"seed must be an integer in [0, 2**62], got {str(self.seed)[:30]}")
         if self.cache not in CACHE_MODES:
             raise ArgumentError(f"cache must be one of {', '.join(CACHE_MODES)}, got {self.cache!r}")
 

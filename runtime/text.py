@@ -8,8 +8,19 @@ from dlmrt.errors import ArgumentError
 from dlmrt.export.models import Denoiser
 
 
+def require_utf8(text: str, name: str) -> None:
+    """Refuse text that holds what is not UTF-8: bytes a terminal could not decode reach Python as lone
+    surrogates (the file system's `surrogateescape`), which no tokenizer takes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ArgumentError(f"{name} is not valid UTF-8 (character {error.start + 1} is an undecodable byte): "
+                            f"pass UTF-8 text") from None
+
+
 def encode(model: Denoiser, text: str) -> list[int]:
     """Token ids of a prompt, with the checkpoint's tokenizer (tokenizer.json)."""
+    require_utf8(text, "the prompt")
     if model.tokenizer is None:
         raise ArgumentError(f"the model {model.name} has no tokenizer.json: pass token ids "
                             f"(--prompt-ids) instead of text")

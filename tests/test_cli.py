@@ -79,6 +79,15 @@ def test_text_output_is_one_line_per_prompt(model_dir):
     (["--prompt-ids", "5", "--block-length", "0"], "block-length must be positive, got 0"),
     (["--prompt-ids", "5", "--max-block-steps", "0"], "the step budget per block must be positive, got 0"),
     ([], "give at least one --prompt or --prompt-ids"),
+    (["--prompt-ids", "5", "--policy", "factor", "--factor", "1e308"], "must fit in float32 (at most 3.4e+38"),
+    (["--prompt-ids", "5", "--temperature", "1e308"], "must fit in float32"),
+    (["--prompt-ids", "5", "--temperature", "inf"], "must be a finite number, got inf"),
+    (["--prompt-ids", "5", "--temperature", "nan"], "must be a finite number, got nan"),
+    (["--prompt-ids", "5", "--cfg-scale", "inf"], "must be a finite number, got inf"),
+    (["--prompt-ids", "5", "--seed", str(2**63)], "is not in the range 0<=x<=4611686018427387904"),
+    (["--prompt-ids", "5", "--seed", "-1"], "is not in the range 0<=x<="),
+    (["--prompt-ids", "5", "--steps", "1000000000"], "steps (1000000000) must be at most gen-length (8)"),
+    (["--prompt", "rev:ab\udcffc="], "--prompt is not valid UTF-8 (character 7 is an undecodable byte)"),
 ])
 def test_bad_input_gives_one_clear_line(model_dir, args, message):
     result = run("generate", "--model", model_dir, *args)

@@ -206,3 +206,28 @@ def test_a_corrupt_engine_manifest_is_one_error(tiny_export, tmp_path, edit, mes
     path.write_text(json.dumps(record))
     with pytest.raises(manifest.ManifestError, match=message):
         manifest.read(entry)
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(temperature=1e308), "temperature must fit in float32"),
+    (dict(temperature=float("nan")), "temperature must be a finite number"),
+    (dict(cfg_scale=float("inf")), "cfg-scale must be a finite number"),
+    (dict(seed=2**63), r"seed must be an integer in \[0, 2\*\*62\]"),
+    (dict(seed=-1), "seed must be an integer"),
+    (dict(seed=True), "seed must be an integer"),
+    (dict(gen_length=True), "gen-length must be an integer, got True"),
+    (dict(gen_length=2**40, block_length=2**40), "gen-length must be at most 16777216"),
+    (dict(policy="factor"), "policy must be a dlmrt.runtime.policies.Policy"),
+    (dict(policy=("factor", 1e308)), "factor must fit in float32"),
+    (dict(policy=("fixed", 10**9)), r"steps \(1000000000\) must be at most gen-length \(16\)"),
+], ids=["huge temperature", "nan temperature", "inf cfg", "seed beyond int64", "negative seed", "bool seed",
+        "bool length", "huge length", "policy a string", "huge factor", "a billion steps"])
+def test_generation_settings_hold_what_the_step_tensors_hold(settings, message):
+    from dlmrt.errors import ArgumentError
+    from dlmrt.runtime import Factor, Fixed, GenerationSettings
+
+    policy = settings.get("policy")
+    if isinstance(policy, tuple):
+        settings["policy"] = Factor(policy[1]) if policy[0] == "factor" else Fixed(policy[1])
+    with pytest.raises(ArgumentError, match=message):
+        GenerationSettings(**{"gen_length": 16, "block_length": 8, **settings}).validate()
