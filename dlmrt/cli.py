@@ -46,6 +46,7 @@ class Float32(click.ParamType):
 
 
 FLOAT32 = Float32()
+LENGTH = click.IntRange(1, limits.MAX_POSITIONS)  # lengths and step counts
 
 
 def parse_ids(value: str) -> list[int]:
@@ -81,17 +82,17 @@ def model_option(command):
 # The decoding options by name; `generate` takes them all, `eval` the ones its grid does not set.
 DECODING_OPTIONS = {
     "gen_length": click.option(
-        "--gen-length", type=int, default=None,
+        "--gen-length", type=LENGTH, default=None,
         help="Tokens to generate [default: the model's generation_config, else 128]."),
     "block_length": click.option(
-        "--block-length", type=int, default=None,
+        "--block-length", type=LENGTH, default=None,
         help="Semi-autoregressive block size [default: the model's, if it divides --gen-length, else "
              "--gen-length]."),
     "policy": click.option(
         "--policy", type=str, default=None,
         help=f"Decoding policy: {', '.join(POLICY_NAMES)} [default: llada2 for llada2_moe models, else fixed]."),
     "steps": click.option(
-        "--steps", type=int, default=None,
+        "--steps", type=LENGTH, default=None,
         help="fixed: denoising steps in all [default: --gen-length]; llada2: steps per block [default: 32]."),
     "remasking": click.option(
         "--remasking", type=click.Choice(("low_confidence", "random")), default="low_confidence",
@@ -106,16 +107,16 @@ DECODING_OPTIONS = {
         "--confidence", type=click.Choice(("prob", "margin", "entropy")), default="prob", show_default=True,
         help="Confidence measure for threshold, factor, llada2, residual."),
     "minimal_topk": click.option(
-        "--minimal-topk", type=int, default=1, show_default=True,
+        "--minimal-topk", type=LENGTH, default=1, show_default=True,
         help="llada2: caps its steps per block at gen-length // minimal-topk."),
     "cache": click.option(
         "--cache", type=click.Choice(CACHE_NAMES), default="none", show_default=True,
         help="K/V cache: none, prefix (the exact block cache for block-causal models) or dual."),
     "max_block_steps": click.option(
-        "--max-block-steps", type=int, default=None,
+        "--max-block-steps", type=LENGTH, default=None,
         help="Step budget per block; the last step commits what is left."),
     "steps_per_sync": click.option(
-        "--steps-per-sync", type=int, default=None,
+        "--steps-per-sync", type=LENGTH, default=None,
         help="Steps run on the device between two reads of whether the block is done [default: 1 on a CPU; "
              "on CUDA, what the tokens per forward so far say the block needs]."),
     "temperature": click.option(

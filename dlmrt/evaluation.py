@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dlmrt import atomic
+from dlmrt import atomic, json_files
 from dlmrt.errors import ArgumentError
 from dlmrt.export.models import Denoiser
 from dlmrt.runtime import GenerationMetrics, GenerationSettings, Generator, Policy, make_policy, text
@@ -162,10 +162,7 @@ def load_jsonl(path: str | Path) -> list[Example]:
 
 def _example(path: Path, number: int, line: str) -> Example:
     where = f"{path} line {number}"
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as error:
-        raise ArgumentError(f"{where}: not valid JSON ({error.msg} at column {error.colno})") from None
+    record = json_files.parse(line, where, ArgumentError)
     if not isinstance(record, dict):
         raise ArgumentError(f"{where}: expected a JSON object with \"prompt\" and \"answer\", "
                             f"got {type(record).__name__}")

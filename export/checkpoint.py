@@ -205,13 +205,28 @@ def load(path: str | os.PathLike, *, dtype: str | torch.dtype = "float32", devic
     for shard in sorted(set(files.values())):
         with _open(shard) as f:
             for name in f.keys():
-                state[name] = f.get_tensor(name).to(device=device, dtype=torch_dtype)
+                state[name] = tensor = f.get_tensor(name).to(device=device, dtype=torch_dtype)
+                _require_finite(tensor, name, shard)
     model.load_state_dict(state, strict=True, assign=True)
     model.requires_grad_(False).eval()
     model.tokenizer = tokenizer
     model.generation_config = generation
     model.name = root.resolve().name
     return model
+
+
+def _require_finite(tensor: torch.Tensor, name: str, shard: Path) -> None:
+    """NaN or inf in a weight (as loaded: a float16 load can overflow) would decode to junk. One min-max
+    reduction tells (NaN propagates through it); it runs at memory speed, far faster than isfinite."""
+    if tensor.numel() == 0 or not tensor.is_floating_point():
+        return
+    low, high = torch.aminmax(tensor)
+    if not (torch.isfinite(low) and torch.isfinite(high)):
+        bad = int((~torch.isfinite(tensor)).sum())
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        raise CheckpointError(f"{shard}: tensor '{name}' holds {bad} NaN or infinite values (loaded as {dtype}): "
+                              f"the checkpoint is corrupt, or its values overflow {dtype}; re-save or re-download "
+                              f"it, or load it in another dtype")
 
 
 def _shards(state: Mapping[str, torch.Tensor], max_shard_bytes: int) -> list[dict[str, torch.Tensor]]:

@@ -231,3 +231,29 @@ def test_generation_settings_hold_what_the_step_tensors_hold(settings, message):
         settings["policy"] = Factor(policy[1]) if policy[0] == "factor" else Fixed(policy[1])
     with pytest.raises(ArgumentError, match=message):
         GenerationSettings(**{"gen_length": 16, "block_length": 8, **settings}).validate()
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_weights_that_are_not_finite_are_refused_naming_the_tensor(model_dir, value):
+    from safetensors.torch import load_file, save_file
+
+    path = model_dir / "model.safetensors"
+    state = load_file(path)
+    state["model.transformer.blocks.1.ff_out.weight"][3, 4] = value
+    save_file(state, path)
+    with pytest.raises(CheckpointError, match=r"tensor 'model.transformer.blocks.1.ff_out.weight' holds 1 NaN or "
+                                              r"infinite values \(loaded as float32\): the checkpoint is corrupt"):
+        dlmrt.load(model_dir)
+
+
+def test_weights_that_overflow_the_dtype_they_load_in(model_dir):
+    from safetensors.torch import load_file, save_file
+
+    path = model_dir / "model.safetensors"
+    state = load_file(path)
+    state["model.transformer.wte.weight"][0, 0] = 1e5  # finite in float32, beyond float16's 65504
+    save_file(state, path)
+    assert dlmrt.load(model_dir) is not None
+    with pytest.raises(CheckpointError, match=r"'model.transformer.wte.weight' holds 1 NaN or infinite values "
+                                              r"\(loaded as float16\)"):
+        dlmrt.load(model_dir, dtype="float16")

@@ -18,7 +18,6 @@ steps as tokens), so the recorded steps span every fraction of the block still m
 from __future__ import annotations
 
 import itertools
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import replace
@@ -26,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dlmrt import json_files
 from dlmrt.errors import DlmrtError
 from dlmrt.runtime.backend import Backend
 from dlmrt.runtime.settings import GenerationSettings
@@ -58,11 +58,8 @@ def load_prompts(path: str | Path) -> list[str]:
 
 
 def _jsonl_prompt(path: Path, number: int, line: str) -> str:
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as error:
-        raise CalibrationError(f"{path}:{number} is not valid JSON ({error.msg}): write one JSON object a line, "
-                               f'like {{"prompt": "add:123+456="}}') from None
+    record = json_files.parse(line, f"{path}:{number}", CalibrationError,
+                              'write one JSON object a line, like {"prompt": "add:123+456="}')
     prompt = record.get("prompt") if isinstance(record, dict) else None
     if not isinstance(prompt, str) or not prompt:
         raise CalibrationError(f'{path}:{number} has no "prompt" string: write one JSON object a line, '
