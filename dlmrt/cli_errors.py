@@ -56,7 +56,8 @@ def guarded(command: Callable[[], object], argv: list[str]) -> int:
         if os.environ.get(DEBUG_VARIABLE, "") not in ("", "0") or "--debug" in argv:
             raise
         subcommand = next((a for a in argv if not a.startswith("-")), "")
-        click.echo(f"dlmrt {subcommand}: internal error ({type(error).__name__}: {str(error)[:300]}). This is a "
+        first_line = next(iter(str(error).strip().splitlines()), "")[:300]
+        click.echo(f"dlmrt {subcommand}: internal error ({type(error).__name__}: {first_line}). This is a "
                    f"bug in dlmrt, not in your input: please report it with the command you ran, and the "
                    f"traceback that `{DEBUG_VARIABLE}=1 dlmrt ...` (or `dlmrt --debug ...`) prints.",
                    err=True)

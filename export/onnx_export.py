@@ -60,7 +60,10 @@ def check_exportable(model: Denoiser) -> None:
         raise ArgumentError(f"{model.name} has no mask token id: load it with dlmrt.load")
 
 
-def _example_inputs(model: Denoiser, graph: str, batch: int = 3, window: int = 6, prefix: int = 5,
+EXAMPLE_BATCH, EXAMPLE_LENGTH = 3, 8  # the example inputs' batch, and a length above their window and prefix
+
+
+def _example_inputs(model: Denoiser, graph: str, batch: int = EXAMPLE_BATCH, window: int = 6, prefix: int = 5,
                     block: int = 4) -> dict[str, torch.Tensor]:
     device, dtype = model.device, model.dtype
     long = dict(dtype=torch.long, device=device)
@@ -93,6 +96,10 @@ def _example_inputs(model: Denoiser, graph: str, batch: int = 3, window: int = 6
 
 
 def _dynamic_shapes(graph: str, names: list[str], max_batch: int, max_length: int) -> dict[str, dict]:
+    # The graph's dimensions reach at least past the example inputs (torch.export needs the example
+    # inside each range, and a range wider than one value); the manifest's limits are the ones a
+    # backend enforces, so a graph built wider than asked takes nothing more.
+    max_batch, max_length = max(max_batch, EXAMPLE_BATCH), max(max_length, EXAMPLE_LENGTH)
     batch = torch.export.Dim("batch", min=1, max=max_batch)
     window = torch.export.Dim("window", min=1, max=max_length)
     block = torch.export.Dim("block", min=1, max=max_length)

@@ -113,6 +113,7 @@ class OrtBackend(Backend):
         self.sessions = {}
         for graph, entry in self.manifest.graphs.items():
             options = ort.SessionOptions()
+            options.log_severity_level = 3  # errors only: its notes on saved optimized models concern no user
             options.graph_optimization_level = {
                 "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
                 "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,

@@ -14,7 +14,7 @@ import dlmrt  # noqa: E402
 from dlmrt import tasks  # noqa: E402
 from dlmrt.errors import ArgumentError, CheckpointError, UnsupportedFeatureError  # noqa: E402
 from dlmrt.export import onnx_export  # noqa: E402
-from dlmrt.export.export_manifest import MANIFEST_FILE, ExportManifest  # noqa: E402
+from dlmrt.export.export_manifest import MANIFEST_FILE, ExportLimits, ExportManifest  # noqa: E402
 from dlmrt.runtime import Factor, Fixed, GenerationSettings, Generator, LLaDA2, Residual, Threshold, text  # noqa: E402
 from dlmrt.runtime.ort_backend import OrtBackend  # noqa: E402
 from helpers import LLADA, LLADA2, ORL, config, random_model  # noqa: E402
@@ -268,3 +268,16 @@ def test_a_saved_optimized_model_is_reused(exported, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == saved
     eager = Generator(model, mode="eager").generate(PROMPTS, settings).tokens
     assert torch.equal(first, second) and torch.equal(first, eager)
+
+
+def test_an_export_for_one_row_and_a_short_context(tmp_path):
+    """Limits below the exporter's example inputs (batch 3, window 6) still export: the graph is built
+    wider, and the manifest's limits are what the backend enforces."""
+    model = random_model(LLADA)
+    directory = onnx_export.export(model, tmp_path / "out", max_batch=1, max_length=6)
+    assert ExportManifest.read(directory).limits == ExportLimits(max_batch=1, max_length=6)
+    settings, prompt = GenerationSettings(4, 4, Threshold(0.3), cache="prefix"), [PROMPTS[1]]  # 2 + 4 positions
+    found = Generator(OrtBackend(directory)).generate(prompt, settings).tokens
+    assert torch.equal(found, Generator(model, mode="eager").generate(prompt, settings).tokens)
+    with pytest.raises(ArgumentError, match="re-export"):
+        Generator(OrtBackend(directory)).generate(prompt * 2, settings)
