@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
+import glob
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+
+from dlmrt.errors import ArgumentError
 
 
 def _default_mode(mode: int) -> int:
@@ -49,16 +54,57 @@ def write_text(path: str | os.PathLike, text: str) -> None:
     write_bytes(path, text.encode("utf-8"))
 
 
+def exchange(first: Path, second: Path) -> bool:
+    """Swap two paths in one step (Linux's renameat2 RENAME_EXCHANGE); False where the system cannot."""
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is None:
+        return False
+    at_cwd, rename_exchange = -100, 2
+    if renameat2(at_cwd, os.fsencode(first), at_cwd, os.fsencode(second), rename_exchange) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):  # an old kernel, or a file system without it
+        return False
+    raise OSError(code, os.strerror(code), str(first))
+
+
+def _leftovers(path: Path) -> list[Path]:
+    """Staging siblings of `path` whose writing process is gone (their names carry its pid)."""
+    found = []
+    for sibling in path.parent.glob(f".{glob.escape(path.name)}.*.partial"):
+        pid = sibling.name[len(path.name) + 2:].split(".", 1)[0]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            found.append(sibling)
+        except PermissionError:  # alive, another user's
+            pass
+    return found
+
+
 @contextlib.contextmanager
-def directory(path: str | os.PathLike) -> Iterator[Path]:
+def directory(path: str | os.PathLike, *, replaces: Callable[[Path], bool], what: str) -> Iterator[Path]:
     """Build a directory in a temporary sibling and move it into place on success.
 
-    If the body raises (or the process dies), `path` keeps whatever it held
-    before; a leftover `.<name>.*.partial` sibling is never read by dlmrt.
+    `path` may be new, an empty directory, or a directory `replaces` recognizes as `what` (one dlmrt
+    wrote); anything else is refused before any work, so nothing a user made is lost. If the body
+    raises (or the process dies), `path` keeps whatever it held before: the new directory takes its
+    place in one exchange where the system has one (else two renames, the old directory removed only
+    once the new one is in place). A leftover `.<name>.<pid>.*.partial` sibling is never read by
+    dlmrt, and is removed by the next write of `path` once its process is gone.
     """
     path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ArgumentError(f"{path} is a file, and {what} is a directory: choose another path")
+    if path.is_dir() and any(path.iterdir()) and not replaces(path):
+        raise ArgumentError(f"{path} exists and is not {what}: dlmrt replaces only what it wrote; choose a new "
+                            f"directory, or empty this one")
     path.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent))
+    for leftover in _leftovers(path):
+        shutil.rmtree(leftover, ignore_errors=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.{os.getpid()}.", suffix=".partial", dir=path.parent))
     os.chmod(staging, _default_mode(0o777))
     try:
         yield staging
@@ -67,14 +113,15 @@ def directory(path: str | os.PathLike) -> Iterator[Path]:
                 os.chmod(child, _default_mode(0o666))  # some writers (safetensors) create 0600 files
                 with open(child, "rb") as f:
                     os.fsync(f.fileno())
-        if path.exists():
-            # Two renames: the old directory is only removed once the new one is in place.
+        if not path.exists():
+            os.replace(staging, path)
+        elif exchange(staging, path):
+            shutil.rmtree(staging)  # now the old directory
+        else:
             retired = staging.with_suffix(".retired")
             os.replace(path, retired)
             os.replace(staging, path)
             shutil.rmtree(retired)
-        else:
-            os.replace(staging, path)
         fsync_dir(path.parent)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

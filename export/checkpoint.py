@@ -250,7 +250,8 @@ def save(model: Denoiser, path: str | os.PathLike, *, max_shard_bytes: int | Non
     config["torch_dtype"] = str(model.dtype).removeprefix("torch.")
     if model.tokens is not None:
         config.setdefault("mask_token_id", model.tokens.mask_id)
-    with atomic.directory(path) as staging:
+    with atomic.directory(path, replaces=lambda found: (found / "config.json").is_file(),
+                          what="a model directory") as staging:
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         if max_shard_bytes is None:
             save_file(state, str(staging / SINGLE_FILE), metadata={"format": "pt"})

@@ -211,7 +211,7 @@ def export(model: Denoiser, out_dir: str | Path, *, opset: int = DEFAULT_OPSET, 
         op.register_schema()
     started = time.perf_counter()
     out_dir = Path(out_dir)
-    with atomic.directory(out_dir) as staging:
+    with atomic.directory(out_dir, replaces=ExportManifest.present, what="a dlmrt export") as staging:
         graphs = {}
         for graph in GRAPHS + (GUIDED_GRAPHS if guidance else ()):
             onnx_model = export_graph(model, graph, grid, opset, max_batch, max_length)

@@ -267,7 +267,7 @@ def quantize_export(export_dir: str | Path, out_dir: str | Path, *,
     export_dir = Path(export_dir)
     manifest = ExportManifest.load(export_dir)
     reports = {}
-    with atomic.directory(out_dir) as staging:
+    with atomic.directory(out_dir, replaces=ExportManifest.present, what="a dlmrt export") as staging:
         for graph, entry in manifest.graphs.items():
             feeds = calibration_feeds(export_dir, graph, prompts, count, seed)
             report = quantize_onnx(export_dir / entry.file, staging / entry.file, feeds,
