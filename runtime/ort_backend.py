@@ -20,7 +20,6 @@ first runs and replays it after.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +33,7 @@ from dlmrt.runtime import device_step
 from dlmrt.runtime.backend import Backend, ModelSpec
 from dlmrt.runtime.device_state import BucketLadder, DeviceState
 from dlmrt.runtime.device_step import GraphOutputs, StepKind
+from dlmrt.runtime.ort_cache import OptimizedModelCache
 
 OPTIMIZATION_LEVELS = ("disable", "basic", "extended", "all")
 _NUMPY = {torch.float32: np.float32, torch.float16: np.float16, torch.int64: np.int64, torch.bool: np.bool_}
@@ -110,6 +110,7 @@ class OrtBackend(Backend):
             providers.insert(0, cuda_provider(device, self.stream, self.cuda_graph))
         elif device.type != "cpu":
             raise ArgumentError(f"OrtBackend runs on cpu or cuda, not {device.type}")
+        cache = OptimizedModelCache(optimized_model_dir) if optimized_model_dir is not None else None
         self.sessions = {}
         for graph, entry in self.manifest.graphs.items():
             options = ort.SessionOptions()
@@ -123,25 +124,22 @@ class OrtBackend(Backend):
                 options.intra_op_num_threads = threads
             source: str | bytes = str(self.export_dir / entry.file)
             external = f"{entry.file}.data" in self.manifest.files
-            if optimized_model_dir is not None and not external:  # >2 GiB models are not re-serialized
-                # Keyed by the graph's sha256, the level and the provider (an optimized model holds
-                # the provider's own fused nodes): one saved by an earlier session loads as it is,
-                # and a changed export never picks up a stale one.
-                digest = self.manifest.graph_sha256(graph)[:16]
-                saved = Path(optimized_model_dir) / f"{graph}-{digest}-{optimization}-{device.type}.onnx"
-                if saved.is_file():
-                    source = str(saved)
+            writing = saved = None
+            if cache is not None and not external:  # >2 GiB models are not re-serialized
+                saved = cache.path(graph, self.manifest.graph_sha256(graph), optimization, device.type)
+                sealed = cache.load(saved)
+                if sealed is not None:
+                    source = sealed
                     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
                 else:
-                    saved.parent.mkdir(parents=True, exist_ok=True)
-                    writing = saved.with_name(f".{saved.name}.{os.getpid()}.tmp")  # renamed once complete
+                    writing = cache.writing_path(saved)
                     options.optimized_model_filepath = str(writing)
                     # ORT's own inlining of nested functions writes a file it cannot read back;
                     # onnx's inliner gives every inlined value a unique name.
                     source = onnx.inliner.inline_local_functions(onnx.load(source)).SerializeToString()
             self.sessions[graph] = ort.InferenceSession(source, options, providers=providers)
-            if options.optimized_model_filepath:
-                os.replace(options.optimized_model_filepath, saved)
+            if writing is not None:
+                cache.keep(writing, saved)
         self._bindings: dict[tuple, _Binding] = {}
         self._annotations = {graph: 0 for graph in self.sessions}  # the last graph annotation of each session
 

@@ -257,3 +257,24 @@ def test_weights_that_overflow_the_dtype_they_load_in(model_dir):
     with pytest.raises(CheckpointError, match=r"'model.transformer.wte.weight' holds 1 NaN or infinite values "
                                               r"\(loaded as float16\)"):
         dlmrt.load(model_dir, dtype="float16")
+
+
+def test_the_optimized_model_cache_trusts_only_its_own_seals(tmp_path):
+    import os
+    import stat
+
+    from dlmrt.runtime.ort_cache import KEY_FILE, OptimizedModelCache
+
+    cache = OptimizedModelCache(tmp_path)
+    path = cache.path("full", "ab" * 32, "all", "cpu")
+    written = cache.writing_path(path)
+    written.write_bytes(b"model bytes")
+    cache.keep(written, path)
+    assert cache.load(path) == b"model bytes"
+    assert stat.S_IMODE((tmp_path / KEY_FILE).stat().st_mode) == 0o600
+    path.write_bytes(b"model bytez")
+    assert cache.load(path) is None and not path.exists()  # removed, to be optimized again
+    written.write_bytes(b"model bytes")
+    cache.keep(written, path)
+    os.chmod(tmp_path / KEY_FILE, 0o644)  # a key others can read seals nothing
+    assert cache.load(path) is None

@@ -263,7 +263,9 @@ def test_a_saved_optimized_model_is_reused(exported, tmp_path):
     settings = GenerationSettings(12, 4, Threshold(0.3), cache="prefix")
     first = Generator(OrtBackend(directory, optimized_model_dir=tmp_path)).generate(PROMPTS, settings).tokens
     saved = sorted(p.name for p in tmp_path.iterdir())
-    assert len(saved) == 4 and all(name.endswith("-all-cpu.onnx") for name in saved)
+    models = [name for name in saved if name.endswith(".onnx")]
+    assert len(models) == 4 and all(name.endswith("-all-cpu.onnx") for name in models)
+    assert sorted(set(saved) - set(models)) == sorted([".key", *(f"{name}.hmac" for name in models)])
     second = Generator(OrtBackend(directory, optimized_model_dir=tmp_path)).generate(PROMPTS, settings).tokens
     assert sorted(p.name for p in tmp_path.iterdir()) == saved
     eager = Generator(model, mode="eager").generate(PROMPTS, settings).tokens
@@ -281,3 +283,25 @@ def test_an_export_for_one_row_and_a_short_context(tmp_path):
     assert torch.equal(found, Generator(model, mode="eager").generate(prompt, settings).tokens)
     with pytest.raises(ArgumentError, match="re-export"):
         Generator(OrtBackend(directory)).generate(prompt * 2, settings)
+
+
+def test_a_tampered_optimized_model_is_never_served(exported, tmp_path):
+    """The saved optimized models are executable: one whose bytes changed (here, every weight of the
+    graph negated, seal kept) is deleted and optimized again from the checked export."""
+    import onnx.numpy_helper
+
+    model, directory = exported["llada"]
+    settings = GenerationSettings(12, 4, Threshold(0.3), cache="prefix")
+    eager = Generator(model, mode="eager").generate(PROMPTS, settings).tokens
+    Generator(OrtBackend(directory, optimized_model_dir=tmp_path)).generate(PROMPTS, settings)
+    for path in tmp_path.glob("*.onnx"):
+        graph = onnx.load(path)
+        for initializer in graph.graph.initializer:
+            if initializer.data_type == onnx.TensorProto.FLOAT:
+                values = -onnx.numpy_helper.to_array(initializer)
+                initializer.CopyFrom(onnx.numpy_helper.from_array(values, initializer.name))
+        onnx.save(graph, path)
+    tampered = {path.name: path.read_bytes() for path in tmp_path.glob("*.onnx")}
+    found = Generator(OrtBackend(directory, optimized_model_dir=tmp_path)).generate(PROMPTS, settings).tokens
+    assert torch.equal(found, eager)
+    assert all(path.read_bytes() != tampered[path.name] for path in tmp_path.glob("*.onnx"))  # optimized afresh
