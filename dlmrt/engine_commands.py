@@ -211,29 +211,39 @@ def print_manifest(entry: Path, record: dict, problems: list[str]) -> None:
 def inspect_command(path, as_json, export_dir, target, precision, tensorrt_version):
     """Show the manifest of an engine directory (or every engine under a store or model directory) and
     check its sha256 hashes; exits with status 1 when a file is missing or differs."""
+    from rich.console import Console
+
     from dlmrt.engines import manifest
     from dlmrt.engines.store import MANIFEST, EngineStore
 
+    broken: dict[Path, str] = {}
     if export_dir is not None:
         entries = [selected_entry(EngineStore(path), export_dir, target, precision, tensorrt_version)]
     elif (path / MANIFEST).is_file():
         entries = [path]
     else:
-        entries = [entry for entry in EngineStore(path).entries() if (entry / MANIFEST).is_file()] or \
-                  [entry for entry in sorted(path.iterdir()) if (entry / MANIFEST).is_file()]
-    if not entries:
+        store = EngineStore(path)
+        entries, broken = store.entries(), store.broken_entries()
+        if not entries and not broken:  # a model directory of the store: its entries
+            entries = [entry for entry in sorted(path.iterdir()) if (entry / MANIFEST).is_file()]
+    if not entries and not broken:
         raise ArgumentError(f"{path} holds no engine (no {MANIFEST}): pass an engine directory "
                             f"(<store>/<model>/<target>-<precision>) or a store")
-    failed = False
-    reports = []
+    failed = bool(broken)
+    reports = [{"entry": str(entry), "manifest": None, "problems": [f"{entry} {why}"]} for entry, why in broken.items()]
     for entry in entries:
-        record = manifest.read(entry)
-        problems = manifest.problems(entry, record)
+        try:
+            record = manifest.read(entry)
+            problems = manifest.problems(entry, record)
+        except manifest.ManifestError as error:
+            record, problems = None, [str(error)]
         failed |= bool(problems)
-        if as_json:
-            reports.append({"entry": str(entry), "manifest": record, "problems": problems})
+        reports.append({"entry": str(entry), "manifest": record, "problems": problems})
+    for report in reports if not as_json else ():
+        if report["manifest"] is None:
+            Console(stderr=True).print(f"[red]{report['problems'][0]}[/red]", highlight=False)
         else:
-            print_manifest(entry, record, problems)
+            print_manifest(Path(report["entry"]), report["manifest"], report["problems"])
     if as_json:
         click.echo(json.dumps(reports, indent=2))
     if failed:

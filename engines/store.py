@@ -50,11 +50,31 @@ class EngineStore:
         return self.root / model / key
 
     def entries(self) -> list[Path]:
-        """Every entry in the store, as `<root>/<model>/<key>` paths."""
+        """Every entry in the store that can be read, as `<root>/<model>/<key>` paths."""
+        broken = self.broken_entries()
+        return [entry for entry in self._candidates() if entry not in broken]
+
+    def broken_entries(self) -> dict[Path, str]:
+        """The entries that cannot be read, and why: a link to nothing, one that leads out of the
+        store, a file where an entry belongs, or an entry whose manifest is missing or not a file."""
+        root, found = self.root.resolve(), {}
+        for entry in self._candidates():
+            if entry.is_symlink() and not entry.exists():
+                found[entry] = f"is a link to nothing ({os.readlink(entry)})"
+            elif not entry.resolve().is_relative_to(root):
+                found[entry] = f"leads out of the store, to {entry.resolve()}"
+            elif not entry.is_dir():
+                found[entry] = "is not a directory"
+            elif not (entry / MANIFEST).is_file():
+                found[entry] = f"has no {MANIFEST} file"
+        return found
+
+    def _candidates(self) -> list[Path]:
+        """What sits where entries do: under each model directory a build made (it holds VERSIONS)."""
         if not self.root.is_dir():
             return []
-        return sorted(entry for model in self.root.iterdir() if model.is_dir()
-                      for entry in model.iterdir() if not entry.name.startswith(".") and entry.is_dir())
+        return sorted(entry for model in self.root.iterdir() if (model / VERSIONS).is_dir()
+                      for entry in model.iterdir() if not entry.name.startswith("."))
 
     def read_timing_cache(self, model: str, key: str) -> bytes | None:
         path = self.entry(model, key) / TIMING_CACHE

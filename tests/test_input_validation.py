@@ -278,3 +278,38 @@ def test_the_optimized_model_cache_trusts_only_its_own_seals(tmp_path):
     cache.keep(written, path)
     os.chmod(tmp_path / KEY_FILE, 0o644)  # a key others can read seals nothing
     assert cache.load(path) is None
+
+
+def test_inspect_reports_every_broken_entry_of_a_store(tiny_export, tmp_path):
+    import os
+    import shutil
+
+    from click.testing import CliRunner
+
+    from dlmrt.cli import main
+    from dlmrt.engines import build, targets
+    from dlmrt.engines.plan import make_plan
+    from dlmrt.engines.store import EngineStore
+    from fake_tensorrt import engine_builder
+
+    store = EngineStore(tmp_path / "engines")
+    entries = {}
+    for precision in ("bf16", "fp16"):
+        plan = make_plan(tiny_export, targets.target_named("sm_90"), precision, tensorrt="10.13.0", store=store.root)
+        entries[precision] = build.run(plan, store, device="NVIDIA H200", tensorrt_version="10.13.0",
+                                       engine_builder=engine_builder)
+    model_dir = entries["bf16"].parent
+    outside = tmp_path / "outside"
+    shutil.copytree(entries["bf16"], outside)
+    os.symlink(outside, model_dir / "sm_100-bf16")  # a link out of the store
+    os.symlink(tmp_path / "nothing", model_dir / "sm_120-bf16")  # a link to nothing
+    manifest = entries["fp16"] / "manifest.json"
+    manifest.unlink()
+    manifest.mkdir()  # a directory where the manifest belongs
+    result = CliRunner().invoke(main, ["inspect", str(store.root)])
+    assert result.exit_code == 1, result.output
+    for problem in ("sm_100-bf16 leads out of the store", "sm_120-bf16 is a link to nothing",
+                    "sm_90-fp16 has no manifest.json file"):
+        assert problem in result.output.replace("\n", ""), result.output
+    assert "sm_90-bf16" in result.output  # the sound entry is still shown
+    assert store.entries() == [entries["bf16"]]  # and is the only one selection can take
