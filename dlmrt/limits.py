@@ -66,5 +66,12 @@ def check_fits(needed: int, what: str, device: str | torch.device, hint: str) ->
     """Refuse `needed` bytes for `what` on `device` beyond the budget, with `hint` on what to do."""
     budget, of = memory_budget(device)
     if needed > budget:
-        raise ResourceError(f"{what} needs {needed / GiB:,.1f} GiB, more than {of} ({budget / GiB:,.1f} GiB): "
-                            f"{hint}")
+        raise ResourceError(f"{what} needs {size(needed)}, more than {of} ({size(budget)}): {hint}")
+
+
+def size(count: int) -> str:
+    """A byte count as people read it: 1.5 GiB, 640.0 KiB."""
+    for unit, scale in (("TiB", 2**40), ("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
+        if count >= scale:
+            return f"{count / scale:,.1f} {unit}"
+    return f"{count} bytes"

@@ -19,6 +19,7 @@ from dlmrt import atomic
 from dlmrt.engines import builder, manifest, preflight, targets
 from dlmrt.engines.plan import BuildPlan, GraphPlan, PlanError
 from dlmrt.engines.store import MANIFEST, TIMING_CACHE, EngineStore, engine_file
+from dlmrt.export.export_manifest import ExportManifest
 from dlmrt.hashing import sha256_of
 
 QUANTIZED_DIR = "quantized"  # inside the entry: the exact graphs fp8 / nvfp4 engines were built from
@@ -41,13 +42,17 @@ def check_running_gpu(plan: BuildPlan) -> str:
 
 
 def check_export(plan: BuildPlan) -> None:
-    """The export's files still have the sha256 the plan was made from."""
+    """The export's graphs still have the sha256 the plan was made from, and each is the graph its
+    manifest describes (a foreign graph given the manifest's hashes is refused here)."""
     export_dir = Path(plan.export_dir)
+    export = ExportManifest.read(export_dir)
     for graph in plan.graphs:
         found = sha256_of(export_dir / graph.onnx)
         if found != graph.sha256:
             raise PlanError(f"{export_dir / graph.onnx} changed since it was exported (sha256 {found[:16]}…, "
                             f"the export's manifest records {graph.sha256[:16]}…): export again")
+        export.check_graph(graph.name, onnx.load(str(export_dir / graph.onnx), load_external_data=False),
+                           export_dir / graph.onnx)
 
 
 def graphs_to_parse(plan: BuildPlan, staging: Path, quantize: Callable[[GraphPlan, Path], None] | None,
@@ -132,5 +137,6 @@ def quantizer(plan: BuildPlan, prompts: Path | None) -> Callable[[GraphPlan, Pat
 
 def dry_run_problems(plan: BuildPlan) -> Sequence[preflight.Problem]:
     """Preflight of the export's own graphs; a quantized precision's Q/DQ check waits for quantization."""
+    check_export(plan)
     paths = {graph.name: Path(plan.export_dir) / graph.onnx for graph in plan.graphs}
     return preflight.check(plan, load_for_checks(paths), quantized=False)

@@ -41,6 +41,18 @@ class TensorContract:
     dtype: str  # numpy's name: "float32", "int64", "bool", ...
     shape: tuple[int | str, ...]  # a fixed size, or a named dynamic axis ("batch", "2*batch", ...)
 
+    @classmethod
+    def of_values(cls, values) -> tuple[TensorContract, ...]:
+        """The contract of an ONNX graph's inputs or outputs (`graph.input`, `graph.output`)."""
+        from onnx.helper import tensor_dtype_to_np_dtype
+
+        found = []
+        for value in values:
+            tensor = value.type.tensor_type
+            found.append(cls(name=value.name, dtype=tensor_dtype_to_np_dtype(tensor.elem_type).name,
+                             shape=tuple(d.dim_param or d.dim_value for d in tensor.shape.dim)))
+        return tuple(found)
+
 
 @dataclass(frozen=True)
 class GraphEntry:
@@ -138,6 +150,45 @@ class ExportManifest:
         if self.quantization is None:
             del data["quantization"]
         return data
+
+    def graph_problems(self, graph: str, model) -> list[str]:
+        """How the ONNX `model` (a ModelProto) disagrees with what this manifest records of `graph`:
+        its inputs and outputs (names, element types, shapes), the K/V layout the model facts give,
+        and the mask id its unmasking node was built with. A graph from another model, given this
+        manifest's hashes, is caught here before any runtime or builder reads it."""
+        entry, problems = self.graphs[graph], []
+        for role, recorded, found in (("input", entry.inputs, TensorContract.of_values(model.graph.input)),
+                                      ("output", entry.outputs, TensorContract.of_values(model.graph.output))):
+            by_name = {c.name: c for c in found}
+            for expected in recorded:
+                actual = by_name.pop(expected.name, None)
+                if actual is None:
+                    problems.append(f"{role} {expected.name} is missing")
+                elif actual != expected:
+                    problems.append(f"{role} {expected.name} is {actual.dtype} {list(actual.shape)}, the manifest "
+                                    f"records {expected.dtype} {list(expected.shape)}")
+            problems += [f"{role} {name} is not in the manifest" for name in by_name]
+        layout = (self.model.num_layers, 2, None, self.model.num_kv_heads, None, self.model.head_dim)
+        for contract in (*entry.inputs, *entry.outputs):
+            if contract.name in ("past_kv", "kv") and (len(contract.shape) != len(layout) or any(
+                    want is not None and have != want for have, want in zip(contract.shape, layout))):
+                problems.append(f"{contract.name} has shape {list(contract.shape)}, but the model facts give "
+                                f"[layers {self.model.num_layers}, 2, rows, kv heads {self.model.num_kv_heads}, "
+                                f"positions, head size {self.model.head_dim}]")
+        for node in model.graph.node:
+            if node.op_type == "ParallelUnmask":
+                mask = next((a.i for a in node.attribute if a.name == "mask_id"), None)
+                if mask != self.tokens.mask_id:
+                    problems.append(f"node {node.name} unmasks with mask id {mask}, the manifest's is "
+                                    f"{self.tokens.mask_id}")
+        return problems
+
+    def check_graph(self, graph: str, model, source: str | Path) -> None:
+        """Raise ExportManifestError listing `graph_problems`, if any."""
+        problems = self.graph_problems(graph, model)
+        if problems:
+            raise ExportManifestError(f"{source} does not match {MANIFEST_FILE}: " + "; ".join(problems[:6])
+                                      + f": {_REEXPORT}")
 
     def graph_sha256(self, graph: str) -> str:
         return self.files[self.graphs[graph].file]

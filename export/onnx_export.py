@@ -182,16 +182,6 @@ def save_graph(onnx_model: onnx.ModelProto, path: Path) -> None:
                     location=f"{path.name}.data")
 
 
-def _tensor_contract(values) -> tuple[TensorContract, ...]:
-    contract = []
-    for value in values:
-        tensor = value.type.tensor_type
-        contract.append(TensorContract(name=value.name,
-                                       dtype=onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type).name,
-                                       shape=tuple(d.dim_param or d.dim_value for d in tensor.shape.dim)))
-    return tuple(contract)
-
-
 def export(model: Denoiser, out_dir: str | Path, *, opset: int = DEFAULT_OPSET, block_length: int | None = None,
            max_batch: int = 64, max_length: int | None = None, guidance: bool = False,
            on_graph: Callable[[str], None] | None = None) -> Path:
@@ -218,8 +208,8 @@ def export(model: Denoiser, out_dir: str | Path, *, opset: int = DEFAULT_OPSET, 
             path = staging / graph_file(graph)
             save_graph(onnx_model, path)
             onnx.checker.check_model(path, full_check=True)
-            graphs[graph] = GraphEntry(file=path.name, inputs=_tensor_contract(onnx_model.graph.input),
-                                       outputs=_tensor_contract(onnx_model.graph.output))
+            graphs[graph] = GraphEntry(file=path.name, inputs=TensorContract.of_values(onnx_model.graph.input),
+                                       outputs=TensorContract.of_values(onnx_model.graph.output))
             if on_graph is not None:
                 on_graph(graph)
         if model.tokenizer is not None:  # so that an export directory is all a runtime needs

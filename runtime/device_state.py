@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, fields
 import torch
 from torch import Tensor
 
+from dlmrt import limits
 from dlmrt.errors import ArgumentError
 from dlmrt.runtime.backend import ModelSpec
 from dlmrt.runtime.layout import Layout
@@ -140,8 +141,21 @@ class DeviceState:
     past_key_mask: Tensor | None = None  # [B, L] bool scratch: the cache positions a step attends to
     windows: dict[int, WindowBuffers] = field(default_factory=dict)
 
+    @staticmethod
+    def estimated_bytes(spec: ModelSpec, bucket: Bucket) -> int:
+        """The bucket's largest buffers, and a step's largest transients: the K/V storage, the ORL
+        residual, one layer's attention scores over the canvas and the block's float32 logits."""
+        rows, length, item = bucket.model_rows, bucket.canvas, torch.tensor([], dtype=spec.dtype).element_size()
+        kv = spec.num_layers * 2 * rows * spec.num_kv_heads * length * spec.head_dim * item if bucket.cached else 0
+        residual = rows * length * spec.hidden_size * item if spec.has_residual else 0
+        heads = max(1, spec.hidden_size // spec.head_dim)
+        return kv + residual + rows * heads * length * length * 4 + rows * bucket.block * spec.vocab_size * 4
+
     @classmethod
     def allocate(cls, spec: ModelSpec, bucket: Bucket) -> DeviceState:
+        limits.check_fits(cls.estimated_bytes(spec, bucket),
+                          f"a batch of {bucket.batch} over {bucket.canvas} positions ({spec.name})", spec.device,
+                          "decode fewer prompts at once (--batch-size, --max-batch), or shorter ones")
         rows, length, device = bucket.batch, bucket.canvas, spec.device
         long = dict(dtype=torch.long, device=device)
         real = dict(dtype=torch.float32, device=device)

@@ -123,6 +123,7 @@ class OrtBackend(Backend):
             if threads is not None:
                 options.intra_op_num_threads = threads
             source: str | bytes = str(self.export_dir / entry.file)
+            self.manifest.check_graph(graph, onnx.load(source, load_external_data=False), source)
             external = f"{entry.file}.data" in self.manifest.files
             writing = saved = None
             if cache is not None and not external:  # >2 GiB models are not re-serialized

@@ -135,7 +135,7 @@ def test_a_bad_jsonl_line_is_named(tmp_path, line, message):
     path.write_text(f'{{"prompt": "rev:abc=", "answer": "cba"}}\n{line}\n')
     with pytest.raises(ArgumentError) as error:
         load_jsonl(path)
-    assert str(error.value).startswith(f"{path} line 2: {message}")
+    assert str(error.value).startswith(f"{path} line 2") and message in str(error.value)
 
 
 def test_an_empty_or_missing_jsonl_file(tmp_path):

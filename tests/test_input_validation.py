@@ -5,6 +5,7 @@ paths, special ids, and the manifests of exports and engine stores."""
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
@@ -112,7 +113,7 @@ def test_the_parameter_estimate_counts_the_weights_a_model_has(raw):
 
 def test_weights_that_cannot_fit_are_refused_before_they_are_built(model_dir, monkeypatch):
     monkeypatch.setenv(limits.MEMORY_LIMIT_VARIABLE, "0.00001")  # 10 KiB: the tiny weights are ~40 KiB
-    with pytest.raises(ResourceError, match=r"the model's weights in float32 needs .* GiB, more than "
+    with pytest.raises(ResourceError, match=r"the model's weights in float32 needs .* KiB, more than "
                                             r"DLMRT_MEMORY_LIMIT_GIB=0.00001"):
         dlmrt.load(model_dir)
     huge = config(LLADA, d_model=65536, n_heads=512, n_kv_heads=512, mlp_hidden_size=131072, n_layers=1024)
@@ -313,3 +314,74 @@ def test_inspect_reports_every_broken_entry_of_a_store(tiny_export, tmp_path):
         assert problem in result.output.replace("\n", ""), result.output
     assert "sm_90-bf16" in result.output  # the sound entry is still shown
     assert store.entries() == [entries["bf16"]]  # and is the only one selection can take
+
+
+@pytest.fixture(scope="module")
+def other_export(tmp_path_factory):
+    """Another model's graphs: more layers, other heads."""
+    from dlmrt.export import onnx_export
+
+    other = random_model(config(LLADA, n_layers=3, n_heads=2, n_kv_heads=2), seed=4)
+    return onnx_export.export(other, tmp_path_factory.mktemp("other") / "export", max_batch=8, max_length=64)
+
+
+def rehashed(tiny_export, tmp_path, replace_graph):
+    """A copy of the tiny export whose step_cached.onnx is `replace_graph(path)`'s, hashes updated."""
+    import shutil
+
+    from dlmrt.export.export_manifest import ExportManifest
+
+    export = shutil.copytree(tiny_export, tmp_path / "export")
+    replace_graph(export / "step_cached.onnx")
+    ExportManifest.read(export).with_files(export).save(export)
+    return export
+
+
+@pytest.mark.parametrize("foreign", ["another model's graph", "another mask id"])
+def test_a_graph_that_is_not_the_manifests_is_refused_before_it_runs_or_builds(tiny_export, other_export, tmp_path,
+                                                                                foreign):
+    import shutil
+
+    import onnx
+
+    from dlmrt.engines import build, targets
+    from dlmrt.engines.plan import make_plan
+    from dlmrt.export.export_manifest import ExportManifestError
+    from dlmrt.runtime.ort_backend import OrtBackend
+
+    def replace_graph(path):
+        if foreign == "another model's graph":
+            shutil.copy(other_export / "step_cached.onnx", path)
+            return
+        graph = onnx.load(path)
+        for node in graph.graph.node:
+            for attribute in node.attribute:
+                if node.op_type == "ParallelUnmask" and attribute.name == "mask_id":
+                    attribute.i = 5
+        onnx.save(graph, path)
+
+    export = rehashed(tiny_export, tmp_path, replace_graph)
+    message = re.escape("step_cached.onnx does not match dlmrt.json: ") + (
+        re.escape("input past_kv is float32 [3, 2") if foreign == "another model's graph"
+        else "node .* unmasks with mask id 5, the manifest's is 2")
+    with pytest.raises(ExportManifestError, match=message):
+        OrtBackend(export)
+    plan = make_plan(export, targets.target_named("sm_90"), "bf16", tensorrt="10.13.0", store=tmp_path / "store")
+    with pytest.raises(ExportManifestError, match=message):
+        build.dry_run_problems(plan)
+
+
+def test_a_batch_whose_buffers_cannot_fit_is_refused_before_they_are_allocated(monkeypatch):
+    from dlmrt.runtime import GenerationSettings, Generator, Threshold
+
+    model = dlmrt.load()
+    generator = Generator(model, mode="eager")
+    settings = GenerationSettings(32, 8, Threshold(0.9), cache="dual")
+    monkeypatch.setenv(limits.MEMORY_LIMIT_VARIABLE, "0.0005")  # 524 KiB: one row takes about 110 KiB
+    generator.generate([[5, 6, 7]], settings)  # one row fits
+    # K/V 4 layers x 2 x 8 rows x 2 heads x 40 positions x 32 x 4 bytes, scores 8 x 4 heads x 40 x 40 x 4,
+    # logits 8 x 8 x 43 x 4: 871,168 bytes
+    expected = (r"a batch of 8 over 40 positions \(tiny-llada\) needs 850.8 KiB, more than "
+                r"DLMRT_MEMORY_LIMIT_GIB=0.0005 \(524.3 KiB\): decode fewer prompts at once")
+    with pytest.raises(ResourceError, match=expected):
+        generator.generate([[5, 6, 7]] * 8, settings)
