@@ -86,38 +86,46 @@ def _token_ids(value: Any, source: str, field: str) -> tuple[int, ...]:
 def resolve_special_tokens(root: Path, config: Mapping[str, Any], generation: Mapping[str, Any],
                            tokenizer: Tokenizer | None, mask_id: int | None = None,
                            eos_id: int | Iterable[int] | None = None,
-                           pad_id: int | None = None) -> SpecialTokens:
+                           pad_id: int | None = None) -> tuple[SpecialTokens, dict[str, str]]:
     """Mask, EOS and pad ids, each from the first place that gives it: the arguments; then
     config.json and generation_config.json (for EOS, generation_config.json first, as Hugging
-    Face generation does); for the mask, the tokenizer's mask token. Pad falls back to EOS."""
+    Face generation does); for the mask, the tokenizer's mask token. Pad falls back to EOS.
+    Also returns where each came from ("mask", "eos", "pad" -> a file, or the arguments), for errors."""
     sources = ((config, str(root / "config.json")), (generation, str(root / "generation_config.json")))
+    origins = {"mask": "the arguments", "eos": "the arguments", "pad": "the arguments"}
 
-    def first(field: str) -> tuple[int, ...]:
+    def first(field: str, role: str) -> tuple[int, ...]:
         for values, source in (sources[::-1] if field == "eos_token_id" else sources):
             ids = _token_ids(values.get(field), source, field)
             if ids:
+                origins[role] = source
                 return ids
         return ()
 
     if mask_id is None:
-        found = first("mask_token_id")
+        found = first("mask_token_id", "mask")
         if found:
             mask_id = found[0]
         elif tokenizer is not None:
             mask_id = next((i for name in MASK_TOKEN_NAMES
                             if (i := tokenizer.token_to_id(name)) is not None), None)
+            origins["mask"] = str(root / "tokenizer.json")
     if mask_id is None:
         raise CheckpointError(
             f"{root}: no mask token id: config.json and generation_config.json have no mask_token_id "
             f"and tokenizer.json has none of {', '.join(MASK_TOKEN_NAMES)}; pass mask_id=...")
     if eos_id is None:
-        eos_ids = (*first("eos_token_id"),)
+        eos_ids = (*first("eos_token_id", "eos"),)
     else:
         eos_ids = (eos_id,) if isinstance(eos_id, int) else tuple(eos_id)
     if pad_id is None:
-        pads = first("pad_token_id")
-        pad_id = pads[0] if pads else (eos_ids[0] if eos_ids else mask_id)
-    return SpecialTokens(mask_id, eos_ids, pad_id)
+        pads = first("pad_token_id", "pad")
+        if pads:
+            pad_id = pads[0]
+        else:
+            pad_id, origins["pad"] = (eos_ids[0], f"{origins['eos']} (EOS, as no pad id is given)") if eos_ids \
+                else (mask_id, f"{origins['mask']} (the mask id, as no pad or EOS id is given)")
+    return SpecialTokens(mask_id, eos_ids, pad_id), origins
 
 
 def _open(path: Path):
@@ -195,8 +203,8 @@ def load(path: str | os.PathLike, *, dtype: str | torch.dtype = "float32", devic
     torch_dtype = resolve_dtype(dtype, raw)
     tokenizer = load_tokenizer(root)
     generation = generation_config.read(root)
-    tokens = resolve_special_tokens(root, raw, generation, tokenizer, mask_id, eos_id, pad_id)
-    model = models.build(raw, source, tokens, dtype=torch_dtype, device=device)
+    tokens, origins = resolve_special_tokens(root, raw, generation, tokenizer, mask_id, eos_id, pad_id)
+    model = models.build(raw, source, tokens, dtype=torch_dtype, device=device, token_origins=origins)
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     files = tensor_files(root)
     _check_weights(root, expected, files, raw["model_type"])

@@ -385,3 +385,10 @@ def test_a_batch_whose_buffers_cannot_fit_is_refused_before_they_are_allocated(m
                 r"DLMRT_MEMORY_LIMIT_GIB=0.0005 \(524.3 KiB\): decode fewer prompts at once")
     with pytest.raises(ResourceError, match=expected):
         generator.generate([[5, 6, 7]] * 8, settings)
+
+
+def test_an_id_is_reported_from_the_file_it_came_from(model_dir):
+    edited(model_dir, "generation_config.json", eos_token_id=[1, 999])
+    with pytest.raises(CheckpointError, match=r"generation_config.json: the eos token id 999 lies outside the "
+                                              r"vocabulary \[0, 43\) of .*config.json"):
+        dlmrt.load(model_dir)

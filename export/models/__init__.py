@@ -56,9 +56,11 @@ def family_of(raw: Mapping[str, Any], source: str) -> Family:
 
 
 def build(raw: Mapping[str, Any], source: str, tokens: SpecialTokens | None, *,
-          dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Denoiser:
+          dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+          token_origins: Mapping[str, str] | None = None) -> Denoiser:
     """The family's module tree on the meta device, config checked, and refused before it is built
-    when its weights in `dtype` cannot fit on `device`; weights come from the loader."""
+    when its weights in `dtype` cannot fit on `device`; weights come from the loader. `token_origins`
+    says where each special id came from ("mask", "eos", "pad" -> a file), for the errors."""
     family = family_of(raw, source)
     config = family.parse_config(dict(raw), source)
     residual_config = residual.parse_config(raw.get("residual_context"), source)
@@ -71,17 +73,18 @@ def build(raw: Mapping[str, Any], source: str, tokens: SpecialTokens | None, *,
     with torch.device("meta"):
         model = family.model_class(config, residual_config, tokens)
     if tokens is not None:
+        origins = token_origins or {}
         for name, value in (("mask", tokens.mask_id), ("pad", tokens.pad_id),
                             *(("eos", e) for e in tokens.eos_ids)):
             if not 0 <= value < model.vocab_size:
-                raise CheckpointError(f"{source}: the {name} token id {value} lies outside the "
-                                      f"vocabulary [0, {model.vocab_size})")
+                raise CheckpointError(f"{origins.get(name, source)}: the {name} token id {value} lies outside the "
+                                      f"vocabulary [0, {model.vocab_size}) of {source}")
         clashes = [name for name, value in (("pad", tokens.pad_id), *(("eos", e) for e in tokens.eos_ids))
                    if value == tokens.mask_id]
         if clashes:
-            raise CheckpointError(f"{source}: the {' and '.join(dict.fromkeys(clashes))} token id equals the mask "
-                                  f"token id {tokens.mask_id}: a masked position would read as "
-                                  f"{'padding' if clashes[0] == 'pad' else 'end of sequence'}; set a distinct id")
+            raise CheckpointError(f"{origins.get(clashes[0], source)}: the {' and '.join(dict.fromkeys(clashes))} "
+                                  f"token id equals the mask token id {tokens.mask_id}: a masked position would read "
+                                  f"as {'padding' if clashes[0] == 'pad' else 'end of sequence'}; set a distinct id")
     model.raw_config = dict(raw)
     return model
 
