@@ -23,6 +23,7 @@ MAX_WIDTH = 1 << 17  # hidden and MLP sizes
 MAX_HEADS = 1024
 MAX_VOCAB = 1 << 22
 MAX_POSITIONS = 1 << 24
+MAX_BATCH = 1 << 16  # rows a graph or backend is built for
 MEMORY_LIMIT_VARIABLE = "DLMRT_MEMORY_LIMIT_GIB"
 GiB = 2**30
 # What the step's tensors hold: thresholds, factors, temperatures and guidance scales are float32;

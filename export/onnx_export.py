@@ -29,7 +29,7 @@ from pathlib import Path
 import onnx
 import torch
 
-from dlmrt import __version__, atomic
+from dlmrt import __version__, atomic, limits
 from dlmrt.errors import ArgumentError, UnsupportedFeatureError
 from dlmrt.export.export_manifest import ExportLimits, ExportManifest, GraphEntry, ModelFacts, TensorContract
 from dlmrt.export.models import Denoiser, SpecialTokens
@@ -188,14 +188,18 @@ def export(model: Denoiser, out_dir: str | Path, *, opset: int = DEFAULT_OPSET, 
     """Write the step graphs of `model` and their manifest to `out_dir` (atomically); with `guidance`,
     also the classifier-free-guidance graphs."""
     check_exportable(model)
-    if opset < 18:
-        raise ArgumentError(f"opset {opset} is too old: the step graph needs opset 18 or newer")
+    newest = onnx.defs.onnx_opset_version()
+    if not 18 <= opset <= newest:
+        raise ArgumentError(f"opset must lie in [18, {newest}]: the step graph needs opset 18 or newer, and the "
+                            f"installed onnx {onnx.__version__} knows opsets up to {newest}; got {opset}")
     max_length = model.max_positions if max_length is None else max_length
     if not 0 < max_length <= model.max_positions:
         raise ArgumentError(f"max-length must lie in [1, {model.max_positions}] (the model's context), "
                             f"got {max_length}")
-    if max_batch <= 0:
-        raise ArgumentError(f"max-batch must be positive, got {max_batch}")
+    if not 0 < max_batch <= limits.MAX_BATCH:
+        raise ArgumentError(f"max-batch must lie in [1, {limits.MAX_BATCH}], got {max_batch}")
+    if block_length is not None and not 0 < block_length <= max_length:
+        raise ArgumentError(f"block-length must lie in [1, max-length = {max_length}], got {block_length}")
     grid = (block_length or model.default_block_length) if model.block_causal else None
     for op in CUSTOM_OPS.values():
         op.register_schema()

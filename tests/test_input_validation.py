@@ -392,3 +392,19 @@ def test_an_id_is_reported_from_the_file_it_came_from(model_dir):
     with pytest.raises(CheckpointError, match=r"generation_config.json: the eos token id 999 lies outside the "
                                               r"vocabulary \[0, 43\) of .*config.json"):
         dlmrt.load(model_dir)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(opset=99999), r"opset must lie in \[18, \d+\]"),
+    (dict(opset=17), r"opset must lie in \[18, \d+\]"),
+    (dict(block_length=0), r"block-length must lie in \[1, max-length = 64\], got 0"),
+    (dict(max_batch=0), r"max-batch must lie in \[1, 65536\], got 0"),
+    (dict(max_batch=10**9), r"max-batch must lie in \[1, 65536\]"),
+])
+def test_export_options_are_checked_before_any_graph(tmp_path, options, message):
+    from dlmrt.errors import ArgumentError
+    from dlmrt.export import onnx_export
+
+    with pytest.raises(ArgumentError, match=message):
+        onnx_export.export(dlmrt.load(), tmp_path / "out", **options)
+    assert not list(tmp_path.iterdir())
