@@ -23,39 +23,88 @@ class Case(NamedTuple):
 
 
 def measure(cases: Sequence[Case], repeats: int, progress: Progress, title: str,
-            warm_up: Callable[[], object] | None = None) -> list[dict]:
-    """Run every case once untimed (where it compiles or captures: its `compile_s`), then `repeats`
-    rounds of every case of a pool in turn, so that a machine that drifts favours none of them (pools
+            warm_up: Callable[[], object] | None = None, warmups: int = 1) -> list[dict]:
+    """Run every case `warmups` times untimed (where it compiles or captures: its `compile_s`), then
+    `repeats` rounds of every case of a pool in turn, so that a machine that drifts favours none of them (pools
     one after another): medians and ranges, and speed-up against the first case. `warm_up` runs once
     before all."""
-    task = progress.add_task(title, total=len(cases) * (repeats + 1) + 1)
+    task = progress.add_task(title, total=len(cases) * (repeats + warmups) + 1)
     if warm_up is not None:
         warm_up()
     progress.advance(task)
-    firsts: list[GenerationMetrics | None] = [None] * len(cases)
+    compiling = [0.0] * len(cases)  # compile and capture time, spent in the untimed runs
     runs: list[list[GenerationMetrics]] = [[] for _ in cases]
     for pool in dict.fromkeys(case.pool for case in cases):
         members = [index for index, case in enumerate(cases) if case.pool == pool]
         for index in members:
-            firsts[index] = cases[index].run()
-            progress.advance(task)
+            for _ in range(warmups):
+                compiling[index] += cases[index].run().compile_s
+                progress.advance(task)
         for _ in range(repeats):
             for index in members:
                 runs[index].append(cases[index].run())
                 progress.advance(task)
     rows = []
-    for case, first, found in zip(cases, firsts, runs):
+    for case, compile_s, found in zip(cases, compiling, runs):
         speeds = [m.tokens_per_s for m in found]
+        latencies = [m.latency_s for m in found]
+        steps = [m.latency_s / max(1, m.forwards_executed) for m in found]
         rows.append({"setting": case.label,
+                     "latency_p50_s": percentile(latencies, 50), "latency_p90_s": percentile(latencies, 90),
+                     "step_p50_s": percentile(steps, 50), "step_p90_s": percentile(steps, 90),
+                     "peak_memory_bytes": max(m.peak_memory_bytes for m in found),
                      "tokens_per_s": statistics.median(speeds), "tokens_per_s_range": [min(speeds), max(speeds)],
                      "latency_s": statistics.median(m.latency_s for m in found),
                      "host_fraction": statistics.median(m.host_fraction for m in found),
                      "host_per_step_s": statistics.median(m.host_s / max(1, m.forwards_executed) for m in found),
                      "tpf": found[0].tpf, "nfe": found[0].nfe, "forwards_executed": found[0].forwards_executed,
-                     "compile_s": first.compile_s})
+                     "compile_s": compile_s + sum(m.compile_s for m in found)})
     for row in rows:
         row["speedup"] = row["tokens_per_s"] / rows[0]["tokens_per_s"]
     return rows
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile, linearly interpolated between the closest ranks (numpy's default)."""
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def environment() -> dict:
+    """What a figure was measured on: CPU, threads, library versions, GPU and driver."""
+    import platform
+    from pathlib import Path
+
+    import torch
+
+    cpu, flags = platform.processor() or platform.machine(), set()
+    info = Path("/proc/cpuinfo")
+    if info.is_file():
+        lines = info.read_text().splitlines()
+        names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+        cpu = names[0] if names else cpu
+        flags = next((set(line.split(":", 1)[1].split()) for line in lines if line.startswith("flags")), set())
+    found = {"cpu": cpu, "avx2": "avx2" in flags, "avx512f": "avx512f" in flags, "threads": torch.get_num_threads(),
+             "python": platform.python_version(), "torch": torch.__version__}
+    for name in ("onnxruntime", "triton", "tensorrt"):
+        try:
+            found[name] = __import__(name).__version__
+        except ImportError:
+            found[name] = None
+    if torch.cuda.is_available():
+        found["gpu"] = torch.cuda.get_device_name()
+        found["cuda"] = torch.version.cuda
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            found["driver"] = pynvml.nvmlSystemGetDriverVersion()
+        except Exception:  # noqa: BLE001  (the driver version is informative only)
+            found["driver"] = None
+    return found
 
 
 def speed_table(title: str, rows: list[dict], against: str = "vs reference") -> Table:

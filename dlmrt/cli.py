@@ -12,6 +12,8 @@ import click
 
 from dlmrt import TINY_MODEL_DIR, __version__, limits
 from dlmrt.cli_errors import UserError, guarded, reports_errors, require_onnx_extra
+from dlmrt.cli_types import FLOAT32, LENGTH
+from dlmrt.bench_command import bench_command
 from dlmrt.engine_commands import build_command, inspect_command
 
 if TYPE_CHECKING:
@@ -27,26 +29,6 @@ DTYPE_CHOICES = ("float32", "bfloat16", "float16", "fp32", "bf16", "fp16", "auto
 POLICY_NAMES = ("fixed", "threshold", "factor", "llada2", "residual")
 CACHE_NAMES = ("none", "prefix", "dual")
 MODE_NAMES = ("auto", "eager", "compile", "cudagraph")
-
-
-class Float32(click.ParamType):
-    """A number the step's float32 tensors hold: finite, at most FLOAT32_MAX in magnitude."""
-
-    name = "float"
-
-    def convert(self, value, param, ctx):
-        try:
-            number = float(value)
-        except (TypeError, ValueError):
-            self.fail(f"{value!r} is not a number", param, ctx)
-        problem = limits.float32_problem(number)
-        if problem:
-            self.fail(problem, param, ctx)
-        return number
-
-
-FLOAT32 = Float32()
-LENGTH = click.IntRange(1, limits.MAX_POSITIONS)  # lengths and step counts
 
 
 def parse_ids(value: str) -> list[int]:
@@ -70,6 +52,7 @@ def run() -> None:
     sys.exit(guarded(main, sys.argv[1:]))
 
 
+main.add_command(bench_command)
 main.add_command(build_command)
 main.add_command(inspect_command)
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import platform
 import statistics
 import sys
 import tempfile
@@ -41,7 +40,7 @@ from rich.table import Table
 
 import dlmrt
 from dlmrt import atomic
-from dlmrt.benchmark import Case, measure
+from dlmrt.benchmark import Case, environment, measure
 from dlmrt.export import checkpoint, models
 from dlmrt.export.models import SpecialTokens
 from dlmrt.runtime import GenerationSettings, Generator, Threshold
@@ -96,25 +95,6 @@ def gemm_replay(calls, repeats: int) -> dict[str, dict]:
             seconds = statistics.median(times[1:])
             results[name] = {"seconds": seconds, "gflops": flops / seconds / 1e9}
     return results
-
-
-def environment() -> dict:
-    flags = set()
-    if Path("/proc/cpuinfo").is_file():
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    model_name = platform.processor() or platform.machine()
-    if Path("/proc/cpuinfo").is_file():
-        names = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                 if line.startswith("model name")]
-        model_name = names[0] if names else model_name
-    import onnxruntime
-
-    return {"cpu": model_name, "avx2": "avx2" in flags, "avx512f": "avx512f" in flags, "threads":
-            torch.get_num_threads(), "torch": torch.__version__, "onnxruntime": onnxruntime.__version__,
-            "python": platform.python_version()}
 
 
 def profile_compiled(generator, prompts, settings, console) -> None:

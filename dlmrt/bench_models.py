@@ -1,0 +1,41 @@
+"""The named random-weight models of `dlmrt bench --model NAME`: seeded, built in memory, nothing
+downloaded. Each is a real family config at a size people benchmark."""
+
+from __future__ import annotations
+
+import torch
+
+from dlmrt.errors import ArgumentError
+from dlmrt.export import models
+from dlmrt.export.models import Denoiser, SpecialTokens
+
+_LLADA = {"architectures": ["LLaDAModelLM"], "model_type": "llada", "rope_theta": 500000.0, "block_type": "llama",
+          "activation_type": "silu", "layer_norm_type": "rms", "rope": True, "alibi": False, "weight_tying": False}
+RANDOM_CONFIGS = {
+    "llada-512x6": {**_LLADA, "d_model": 512, "n_heads": 8, "n_layers": 6, "mlp_hidden_size": 1408,
+                    "vocab_size": 2048, "max_sequence_length": 1024},
+    "llada-1024x8": {**_LLADA, "d_model": 1024, "n_heads": 16, "n_layers": 8, "mlp_hidden_size": 2816,
+                     "vocab_size": 4096, "max_sequence_length": 2048},
+    # LLaDA-8B's shapes, for a GPU: 8B parameters, 16 GB in bfloat16.
+    "llada-8b": {**_LLADA, "d_model": 4096, "n_heads": 32, "n_layers": 32, "mlp_hidden_size": 12288,
+                 "vocab_size": 126464, "max_sequence_length": 4096},
+    "llada2-moe-small": {
+        "architectures": ["LLaDA2MoeModelLM"], "model_type": "llada2_moe", "hidden_size": 512,
+        "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64,
+        "intermediate_size": 1408, "vocab_size": 2048, "num_experts": 16, "num_experts_per_tok": 4,
+        "moe_intermediate_size": 256, "num_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 4,
+        "topk_group": 2, "routed_scaling_factor": 2.5, "norm_topk_prob": True, "partial_rotary_factor": 0.5,
+        "rope_theta": 600000.0, "use_qk_norm": True, "max_position_embeddings": 1024},
+}
+
+
+def random_model(name: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Denoiser:
+    """The named config with seeded random weights (mask: the last id; EOS and pad: the one before)."""
+    if name not in RANDOM_CONFIGS:
+        raise ArgumentError(f"unknown model {name!r}: give a model directory, or one of {', '.join(RANDOM_CONFIGS)}")
+    config = RANDOM_CONFIGS[name]
+    vocab = config["vocab_size"]
+    model = models.create(config, tokens=SpecialTokens(mask_id=vocab - 1, eos_ids=(vocab - 2,), pad_id=vocab - 2),
+                          seed=0, dtype=dtype, device=device)
+    model.name = name
+    return model
