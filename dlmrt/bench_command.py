@@ -22,7 +22,8 @@ from pathlib import Path
 
 import click
 
-from dlmrt import limits
+from dlmrt import bench_suite, limits
+from dlmrt.bench_suite import Scenario
 from dlmrt.cli_errors import reports_errors
 from dlmrt.cli_types import FLOAT32, LENGTH
 from dlmrt.errors import ArgumentError
@@ -33,17 +34,17 @@ POLICIES = ("fixed", "threshold", "factor", "llada2")
 
 
 def parse_backends(spec: str) -> list[tuple[str, str | None]]:
-    """`torch:eager,torch:compile,ort` -> [("torch", "eager"), ("torch", "compile"), ("ort", None)]."""
+    """`torch:eager,ort,reference` -> [("torch", "eager"), ("ort", None), ("reference", None)]."""
     found = []
     for part in (p.strip() for p in spec.split(",")):
         name, _, mode = part.partition(":")
         if name == "torch" and (mode or "auto") in TORCH_MODES:
             found.append(("torch", mode or "auto"))
-        elif name == "ort" and not mode:
-            found.append(("ort", None))
+        elif name in ("ort", "reference") and not mode:
+            found.append((name, None))
         else:
-            raise click.BadParameter(f"unknown backend {part!r}: give torch[:{'|'.join(TORCH_MODES)}] or ort, "
-                                     f"comma-separated", param_hint="--backend")
+            raise click.BadParameter(f"unknown backend {part!r}: give torch[:{'|'.join(TORCH_MODES)}], ort or "
+                                     f"reference, comma-separated", param_hint="--backend")
     if len(set(found)) != len(found):
         raise click.BadParameter(f"{spec!r} names a backend twice", param_hint="--backend")
     return found
@@ -70,13 +71,18 @@ def token_hash(tokens) -> str:
     return hashlib.sha256(tokens.cpu().contiguous().numpy().tobytes()).hexdigest()[:16]
 
 
+SCENARIO_OPTIONS = ("model_name", "backend_spec", "batch_size", "input_len", "output_len", "num_iters",
+                    "num_iters_warmup", "policy", "threshold", "factor", "steps", "cache", "block_length", "dtype",
+                    "device", "seed")
+
+
 @click.command("bench")
 @click.option("--model", "model_name", default=None, metavar="DIR|NAME",
               help="A model directory, or a random-weight config: llada-512x6, llada-1024x8, llada-8b (for a GPU), "
                    "llada2-moe-small [default: the tiny model].")
 @click.option("--backend", "backend_spec", default="torch:eager", show_default=True,
-              metavar="torch[:MODE],ort", help="Backends and modes compared side by side, comma-separated; the "
-                                              "first is the baseline.")
+              metavar="torch[:MODE],ort,reference", help="Backends and modes compared side by side, comma-separated; "
+                                                        "the first is the baseline of the speed ratios.")
 @click.option("--batch-size", type=click.IntRange(1, limits.MAX_BATCH), default=1, show_default=True)
 @click.option("--input-len", type=LENGTH, default=32, show_default=True, help="Prompt tokens.")
 @click.option("--output-len", type=LENGTH, default=32, show_default=True, help="Generated tokens (gen-length).")
@@ -99,60 +105,152 @@ def token_hash(tokens) -> str:
               help="Seeds the prompts.")
 @click.option("--output-json", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="Also write the results, settings and environment as JSON.")
+@click.option("--suite", type=click.Path(path_type=Path, dir_okay=False, exists=True), default=None,
+              help="Run a suite's scenarios (TOML) instead of one scenario from the options.")
+@click.option("--scenario", "scenario_names", multiple=True, metavar="NAME", help="With --suite: only these.")
+@click.option("--baseline", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="With --suite: the baseline to --check against, or to write with --update-baseline.")
+@click.option("--check", is_flag=True, help="Fail (exit 1) on a changed output or a slower ratio than the baseline.")
+@click.option("--update-baseline", is_flag=True, help="Write this run as the new baseline (atomically).")
+@click.option("--summary", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="With --check: a Markdown summary of the gate.")
+@click.option("--junit", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="With --check: JUnit XML, one test case per scenario.")
+@click.pass_context
 @reports_errors
-def bench_command(model_name, backend_spec, batch_size, input_len, output_len, num_iters, num_iters_warmup,
-                  policy, threshold, factor, steps, cache, block_length, dtype, device, seed, output_json):
+def bench_command(ctx, output_json, suite, scenario_names, baseline, check, update_baseline, summary, junit,
+                  **options):
     """Latency and throughput of generate: tokens/s, TPF, NFE, latency per request and per step."""
+    from rich.console import Console
+
+    if suite is None:
+        if scenario_names or baseline or check or update_baseline or summary or junit:
+            raise click.UsageError("--scenario, --baseline, --check, --update-baseline, --summary and --junit "
+                                   "need --suite")
+        scenario = Scenario(model=options["model_name"], backends=tuple(options["backend_spec"].split(",")),
+                            **{k: v for k, v in options.items() if k not in ("model_name", "backend_spec")})
+        results = {scenario.name: run_scenario(scenario, Console(stderr=True))}
+        suite_name = None
+    else:
+        given = [name for name in SCENARIO_OPTIONS
+                 if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE]
+        if given:
+            raise click.UsageError(f"--suite sets every scenario's options: drop --{given[0].replace('_', '-')}, "
+                                   f"or set it in the suite")
+        if (check or update_baseline) and baseline is None:
+            raise click.UsageError("--check and --update-baseline need --baseline FILE")
+        if check and update_baseline:
+            raise click.UsageError("give --check or --update-baseline, not both")
+        suite_name, scenarios = bench_suite.load_suite(suite)
+        expected = bench_suite.load_baseline(baseline, suite_name) if check else None
+        known = {s.name for s in scenarios}
+        unknown = [name for name in scenario_names if name not in known]
+        if unknown:
+            raise ArgumentError(f"{suite} has no scenario {unknown[0]!r} (it has: {', '.join(sorted(known))})")
+        scenarios = [s for s in scenarios if not scenario_names or s.name in scenario_names]
+        results = {s.name: run_scenario(s, Console(stderr=True)) for s in scenarios}
+        if check:
+            gate(suite_name, scenarios, results, expected, summary, junit)
+        if update_baseline:
+            bench_suite.save_baseline(baseline, bench_suite.record(suite_name, results))
+    if output_json is not None:
+        write_json(output_json, suite_name, results)
+
+
+def gate(suite_name: str, scenarios, results: dict, expected: dict, summary, junit) -> None:
+    """Check every scenario; a slower ratio is run again and counts only if it repeats."""
+    from rich.console import Console
+
+    findings = []
+    for scenario in scenarios:
+        changed, slower = bench_suite.check(scenario.name, results[scenario.name], expected)
+        if slower:
+            results[scenario.name] = again = run_scenario(scenario, Console(stderr=True))
+            changed_again, slower_again = bench_suite.check(scenario.name, again, expected)
+            repeated = {(f.case, f.figure) for f in slower}
+            slower = [f for f in slower_again if (f.case, f.figure) in repeated]
+            changed += [f for f in changed_again if f not in changed]
+        findings += changed + slower
+    bench_suite.write_summaries(findings, [s.name for s in scenarios], summary, junit)
+    if findings:
+        raise click.ClickException("the benchmark gate failed:\n  " + "\n  ".join(map(str, findings)))
+    click.echo(f"the benchmark gate passed: {len(scenarios)} scenarios of suite {suite_name} match the baseline",
+               err=True)
+
+
+def write_json(path: Path, suite_name: str | None, results: dict) -> None:
+    from dlmrt import atomic
+    from dlmrt.benchmark import environment
+
+    document = {"format_version": BENCH_FORMAT_VERSION, "suite": suite_name, "environment": environment(),
+                "scenarios": results}
+    atomic.write_text(path, json.dumps(document, indent=2) + "\n")
+
+
+def run_scenario(scenario: Scenario, console) -> dict:
+    """One scenario, every case side by side: its table printed, its rows and settings returned."""
     import torch
     from rich.console import Console
     from rich.progress import Progress
 
-    from dlmrt import atomic
-    from dlmrt.benchmark import environment
     from dlmrt.runtime import GenerationSettings, make_policy
 
-    backends = parse_backends(backend_spec)
-    model = open_model(model_name, dtype, device)
-    block_length = block_length or min(32, output_len)
-    cache = cache or ("prefix" if model.block_causal else "dual")
-    policy_impl = make_policy(policy, threshold=threshold, factor=factor, steps=steps)
-    settings = GenerationSettings(output_len, block_length, policy_impl, cache=cache, ignore_eos=True)
+    backends = parse_backends(",".join(scenario.backends))
+    model = open_model(scenario.model, scenario.dtype, scenario.device)
+    block_length = scenario.block_length or min(32, scenario.output_len)
+    cache = scenario.cache or ("prefix" if model.block_causal else "dual")
+    policy = make_policy(scenario.policy, threshold=scenario.threshold, factor=scenario.factor, steps=scenario.steps)
+    settings = GenerationSettings(scenario.output_len, block_length, policy, cache=cache, ignore_eos=True)
     settings.validate(model.block_causal)
     special = {model.tokens.mask_id, model.tokens.pad_id, *model.tokens.eos_ids}
     allowed = torch.tensor([i for i in range(model.vocab_size) if i not in special])
-    chosen = torch.randint(len(allowed), (batch_size, input_len), generator=torch.Generator().manual_seed(seed))
+    chosen = torch.randint(len(allowed), (scenario.batch_size, scenario.input_len),
+                           generator=torch.Generator().manual_seed(scenario.seed))
     prompts = allowed[chosen].tolist()
-
-    console = Console(stderr=True)
     with tempfile.TemporaryDirectory() as scratch, Progress(console=console, transient=True) as progress:
         cases, tokens = make_cases(model, backends, prompts, settings, Path(scratch), console)
-        rows = run_cases(cases, num_iters, num_iters_warmup, progress)
+        rows = run_cases(cases, scenario.num_iters, scenario.num_iters_warmup, progress)
+    first = next((row for row in rows if row["setting"] != "reference"), rows[0])
     for row in rows:
         row["tokens_sha256"] = tokens[row["setting"]]
-        row["same_tokens"] = tokens[row["setting"]] == tokens[rows[0]["setting"]]
-    Console(width=None if sys.stdout.isatty() else 170).print(results_table(rows, model.name, batch_size, input_len,
-                                                                            settings))
-    if output_json is not None:
-        document = {"format_version": BENCH_FORMAT_VERSION, "environment": environment(), "model": model.name,
-                    "request": {"batch_size": batch_size, "input_len": input_len, "output_len": output_len,
-                                "seed": seed},
-                    "settings": {"policy": policy_impl.name, **dataclasses.asdict(policy_impl),
-                                 "cache": cache, "block_length": block_length, "dtype": str(model.dtype),
-                                 "device": device},
-                    "cases": rows}
-        atomic.write_text(output_json, json.dumps(document, indent=2) + "\n")
+        row["same_tokens"] = None if row["setting"] == "reference" else row["tokens_sha256"] == tokens[first["setting"]]
+        row["ratio_runs"] = [mine / base for mine, base in zip(row["tokens_per_s_runs"], rows[0]["tokens_per_s_runs"])]
+    exact = None
+    if scenario.exact_match_per_task:
+        from dlmrt import evaluation, tasks
+
+        examples = tasks.examples("test", scenario.exact_match_per_task, seed=0)
+        exact = evaluation.exact_match(model, examples, dataclasses.replace(settings, ignore_eos=False),
+                                       mode="eager").mean
+    Console(width=None if sys.stdout.isatty() else 170).print(
+        results_table(rows, f"{scenario.name}: {model.name}", scenario.batch_size, scenario.input_len, settings,
+                      exact))
+    return {"scenario": bench_suite.scenario_dict(scenario), "model": model.name,
+            "settings": {"policy": policy.name, **dataclasses.asdict(policy), "cache": cache,
+                         "block_length": block_length, "dtype": str(model.dtype)},
+            "cases": rows, "exact_match": exact}
 
 
 def make_cases(model, backends, prompts, settings, scratch: Path, console):
-    """One benchmark Case per backend; `tokens` fills with each case's token digest as it runs."""
+    """One benchmark Case per backend; `tokens` fills with each case's token digest as it runs. The
+    reference case is LLaDA's plain loop (fixed policy, one token a step, no cache) on the same prompts."""
     from dlmrt.benchmark import Case
-    from dlmrt.runtime import Generator
+    from dlmrt.runtime import Fixed, Generator, reference
     from dlmrt.runtime.torch_backend import TorchBackend
 
     tokens: dict[str, str] = {}
     cases = []
     for name, mode in backends:
         label = f"{name}:{mode}" if mode else name
+        if name == "reference":
+            plain = dataclasses.replace(settings, policy=Fixed(), cache="none")
+
+            def run(label=label, plain=plain):
+                result = reference.generate(model, prompts, plain)
+                tokens[label] = token_hash(result.tokens)
+                return result.metrics
+            cases.append(Case(label, run))
+            continue
         if name == "torch":
             generator = Generator(TorchBackend(model, mode=mode, max_batch=len(prompts)))
         else:
@@ -180,22 +278,24 @@ def run_cases(cases, iters: int, warmups: int, progress) -> list[dict]:
     return measure(cases, iters, progress, "benchmarking", warmups=warmups)
 
 
-def results_table(rows: list[dict], model: str, batch: int, input_len: int, settings):
+def results_table(rows: list[dict], title: str, batch: int, input_len: int, settings, exact_match: float | None):
     from rich.table import Table
 
     from dlmrt.limits import size
 
-    table = Table(title=f"{model}: batch {batch}, input {input_len}, output {settings.gen_length} in blocks of "
-                        f"{settings.block_length}, {settings.policy.name}, cache {settings.cache}")
+    exact = f", exact match {exact_match:.1%}" if exact_match is not None else ""
+    table = Table(title=f"{title}: batch {batch}, input {input_len}, output {settings.gen_length} in blocks of "
+                        f"{settings.block_length}, {settings.policy.name}, cache {settings.cache}{exact}")
     for column in ("case", "tokens/s (median, range)", f"vs {rows[0]['setting']}", "TPF", "NFE",
                    "latency p50 / p90", "step p50 / p90", "host", "peak memory", "tokens", "same tokens"):
         table.add_column(column, justify="left" if column in ("case", "tokens") else "right")
     for row in rows:
         low, high = row["tokens_per_s_range"]
+        same = {None: "-", True: "yes", False: "NO"}[row["same_tokens"]]
         table.add_row(row["setting"], f"{row['tokens_per_s']:.1f} ({low:.1f}-{high:.1f})", f"{row['speedup']:.2f}x",
                       f"{row['tpf']:.2f}", str(row["nfe"]),
                       f"{row['latency_p50_s'] * 1e3:.1f} / {row['latency_p90_s'] * 1e3:.1f} ms",
                       f"{row['step_p50_s'] * 1e3:.2f} / {row['step_p90_s'] * 1e3:.2f} ms",
-                      f"{row['host_fraction']:.1%}", size(row["peak_memory_bytes"]), row["tokens_sha256"][:12],
-                      "yes" if row["same_tokens"] else "NO")
+                      f"{row['host_fraction']:.1%}", size(row["peak_memory_bytes"]) if row["peak_memory_bytes"]
+                      else "-", row["tokens_sha256"][:12], same)
     return table

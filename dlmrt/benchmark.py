@@ -48,12 +48,13 @@ def measure(cases: Sequence[Case], repeats: int, progress: Progress, title: str,
     for case, compile_s, found in zip(cases, compiling, runs):
         speeds = [m.tokens_per_s for m in found]
         latencies = [m.latency_s for m in found]
-        steps = [m.latency_s / max(1, m.forwards_executed) for m in found]
+        steps = [m.latency_s / max(1, m.forwards_executed or m.nfe) for m in found]  # the reference counts NFE only
         rows.append({"setting": case.label,
                      "latency_p50_s": percentile(latencies, 50), "latency_p90_s": percentile(latencies, 90),
                      "step_p50_s": percentile(steps, 50), "step_p90_s": percentile(steps, 90),
                      "peak_memory_bytes": max(m.peak_memory_bytes for m in found),
                      "tokens_per_s": statistics.median(speeds), "tokens_per_s_range": [min(speeds), max(speeds)],
+                     "tokens_per_s_runs": speeds,
                      "latency_s": statistics.median(m.latency_s for m in found),
                      "host_fraction": statistics.median(m.host_fraction for m in found),
                      "host_per_step_s": statistics.median(m.host_s / max(1, m.forwards_executed) for m in found),

@@ -108,9 +108,8 @@ class Fixed(Policy):
         steps = self.total_steps(settings)
         if steps <= 0:
             raise ArgumentError(f"steps must be positive, got {steps}")
-        if steps > settings.gen_length:
-            raise ArgumentError(f"steps ({steps}) must be at most gen-length ({settings.gen_length}): LLaDA's "
-                                f"schedule commits nothing in the steps beyond one per token")
+        if steps > limits.MAX_POSITIONS:  # LLaDA runs steps beyond one per token (they commit nothing); a bound
+            raise ArgumentError(f"steps must be at most {limits.MAX_POSITIONS}, got {steps}")
         if steps % settings.num_blocks:
             raise ArgumentError(f"steps ({steps}) must be divisible by the number of blocks "
                                 f"(gen-length / block-length = {settings.num_blocks})")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from dlmrt.cli import main
@@ -21,10 +22,13 @@ def test_backends_and_modes_side_by_side_give_the_same_tokens(tmp_path):
                    16, "--block-length", 8, "--num-iters", 2, "--output-json", out)
     assert result.exit_code == 0, result.output
     document = json.loads(out.read_text())
-    assert document["format_version"] == 1 and document["model"] == "tiny-llada"
-    assert document["request"] == {"batch_size": 2, "input_len": 8, "output_len": 16, "seed": 0}
+    assert document["format_version"] == 1
     assert {"cpu", "threads", "torch", "onnxruntime"} <= set(document["environment"])
-    cases = document["cases"]
+    run = document["scenarios"]["bench"]
+    assert run["model"] == "tiny-llada"
+    assert {k: run["scenario"][k] for k in ("batch_size", "input_len", "output_len", "seed")} == {
+        "batch_size": 2, "input_len": 8, "output_len": 16, "seed": 0}
+    cases = run["cases"]
     assert [c["setting"] for c in cases] == ["torch:eager", "torch:compile", "ort"]
     assert len({c["tokens_sha256"] for c in cases}) == 1 and all(c["same_tokens"] for c in cases)
     for case in cases:
@@ -39,12 +43,13 @@ def test_a_named_random_config_needs_no_download(tmp_path):
     result = bench("--model", "llada2-moe-small", "--input-len", 8, "--output-len", 8, "--num-iters", 1,
                    "--num-iters-warmup", 0, "--policy", "llada2", "--output-json", out)
     assert result.exit_code == 0, result.output
-    document = json.loads(out.read_text())
+    document = json.loads(out.read_text())["scenarios"]["bench"]
     assert document["model"] == "llada2-moe-small" and document["settings"]["threshold"] == 0.95
     again = tmp_path / "again.json"
     assert bench("--model", "llada2-moe-small", "--input-len", 8, "--output-len", 8, "--num-iters", 1,
                  "--num-iters-warmup", 0, "--policy", "llada2", "--output-json", again).exit_code == 0
-    assert json.loads(again.read_text())["cases"][0]["tokens_sha256"] == document["cases"][0]["tokens_sha256"]
+    repeated = json.loads(again.read_text())["scenarios"]["bench"]
+    assert repeated["cases"][0]["tokens_sha256"] == document["cases"][0]["tokens_sha256"]
 
 
 @pytest.mark.parametrize("args, message", [
@@ -58,3 +63,120 @@ def test_a_named_random_config_needs_no_download(tmp_path):
 def test_bad_input_is_one_line(args, message):
     result = bench(*args)
     assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output, result.output
+
+
+SUITE = """
+format_version = 1
+name = "test"
+
+[defaults]
+backends = ["reference", "torch:eager"]
+num_iters = 3
+num_iters_warmup = 1
+
+[scenarios.tiny]
+batch_size = 2
+input_len = 8
+output_len = 16
+block_length = 8
+policy = "threshold"
+cache = "dual"
+"""
+
+
+@pytest.fixture
+def suite(tmp_path):
+    path = tmp_path / "suite.toml"
+    path.write_text(SUITE)
+    baseline = tmp_path / "baseline.json"
+    result = bench("--suite", path, "--baseline", baseline, "--update-baseline")
+    assert result.exit_code == 0, result.output
+    return path, baseline
+
+
+def test_the_gate_passes_an_unchanged_tree_and_writes_its_summaries(suite, tmp_path):
+    path, baseline = suite
+    recorded = json.loads(baseline.read_text())
+    case = recorded["scenarios"]["tiny"]["cases"]["torch:eager"]
+    assert recorded["suite"] == "test" and {"tokens_sha256", "nfe", "tpf", "ratio", "ratio_low"} <= set(case)
+    summary, junit = tmp_path / "gate.md", tmp_path / "gate.xml"
+    result = bench("--suite", path, "--baseline", baseline, "--check", "--summary", summary, "--junit", junit)
+    assert result.exit_code == 0, result.output
+    assert "| tiny | pass |" in summary.read_text() and 'failures="0"' in junit.read_text()
+    assert json.loads(baseline.read_text()) == recorded  # --check never writes the baseline
+
+
+def test_the_gate_fails_a_slowdown_that_repeats(suite, monkeypatch, tmp_path):
+    import time
+
+    from dlmrt.runtime.torch_backend import TorchBackend
+
+    path, baseline = suite
+    run = TorchBackend.run
+
+    def slow_run(self, *args, **kwargs):  # redundant work on every step: a regression of the loop
+        time.sleep(0.03)
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(TorchBackend, "run", slow_run)
+    junit = tmp_path / "gate.xml"
+    result = bench("--suite", path, "--baseline", baseline, "--check", "--junit", junit)
+    assert result.exit_code == 1, result.output
+    assert "scenario tiny, torch:eager: speed vs reference (best round) is" in result.output
+    assert "below it by more than the" in result.output and 'failures="1"' in junit.read_text()
+
+
+def test_the_gate_fails_a_change_of_output(suite, monkeypatch):
+    from dlmrt.export import step_graph
+
+    path, baseline = suite
+    unmask = step_graph.parallel_unmask
+
+    def flipped_ties(logits, *args, **kwargs):  # near-ties broken the other way
+        return unmask(logits + 0.05 * torch.arange(logits.shape[-1], dtype=logits.dtype), *args, **kwargs)
+
+    monkeypatch.setattr(step_graph, "parallel_unmask", flipped_ties)
+    result = bench("--suite", path, "--baseline", baseline, "--check")
+    assert result.exit_code == 1, result.output
+    assert "scenario tiny, torch:eager: tokens_sha256 is" in result.output and "it must not change" in result.output
+
+
+@pytest.mark.parametrize("suite_text, message", [
+    (SUITE.replace("batch_size = 2", "batch_sise = 2"), "unknown key 'batch_sise'"),
+    (SUITE.replace("batch_size = 2", 'batch_size = "2"'), "batch_size must be int, got '2'"),
+    (SUITE.replace("format_version = 1", "format_version = 2"), "format_version must be 1, got 2"),
+    (SUITE.replace('backends = ["reference", "torch:eager"]', 'backends = "torch"'),
+     "backends must be a non-empty list of strings"),
+    (SUITE + "\n[scenarios.other]\nmodel = \"llada-9000\"\n", "is neither a model directory nor a random config"),
+    ("name = [", "is not valid TOML"),
+])
+def test_a_bad_suite_is_one_error_naming_the_field(tmp_path, suite_text, message):
+    path = tmp_path / "suite.toml"
+    path.write_text(suite_text)
+    result = bench("--suite", path, "--baseline", tmp_path / "b.json", "--update-baseline")
+    assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output, result.output
+    assert not (tmp_path / "b.json").exists()
+
+
+def test_a_baseline_of_another_suite_or_version_or_corrupt_is_refused_and_kept(suite, tmp_path):
+    path, baseline = suite
+    recorded = json.loads(baseline.read_text())
+    for edit, message in ((dict(recorded, suite="other"), "is the baseline of suite 'other', not 'test'"),
+                          (dict(recorded, format_version=7), "has format_version 7")):
+        baseline.write_text(json.dumps(edit))
+        result = bench("--suite", path, "--baseline", baseline, "--check")
+        assert result.exit_code == 2 and message in result.output, result.output
+    baseline.write_text("{corrupt")
+    result = bench("--suite", path, "--baseline", baseline, "--check")
+    assert result.exit_code == 2 and "is not valid JSON" in result.output
+    assert baseline.read_text() == "{corrupt"
+    result = bench("--suite", path, "--scenario", "nope", "--baseline", baseline, "--update-baseline")
+    assert result.exit_code == 2 and "has no scenario 'nope' (it has: tiny)" in result.output
+
+
+def test_suite_options_are_not_mixed_with_one_scenario_options(suite):
+    path, baseline = suite
+    result = bench("--suite", path, "--batch-size", 4)
+    assert result.exit_code == 2 and "--suite sets every scenario's options: drop --batch-size" in result.output
+    result = bench("--check")
+    assert result.exit_code == 2 and "need --suite" in result.output

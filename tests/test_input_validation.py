@@ -220,7 +220,7 @@ def test_a_corrupt_engine_manifest_is_one_error(tiny_export, tmp_path, edit, mes
     (dict(gen_length=2**40, block_length=2**40), "gen-length must be at most 16777216"),
     (dict(policy="factor"), "policy must be a dlmrt.runtime.policies.Policy"),
     (dict(policy=("factor", 1e308)), "factor must fit in float32"),
-    (dict(policy=("fixed", 10**9)), r"steps \(1000000000\) must be at most gen-length \(16\)"),
+    (dict(policy=("fixed", 10**9)), r"steps must be at most 16777216, got 1000000000"),
 ], ids=["huge temperature", "nan temperature", "inf cfg", "seed beyond int64", "negative seed", "bool seed",
         "bool length", "huge length", "policy a string", "huge factor", "a billion steps"])
 def test_generation_settings_hold_what_the_step_tensors_hold(settings, message):

@@ -1,0 +1,234 @@
+"""Benchmark suites, their baselines, and the regression gate of `dlmrt bench --suite`.
+
+A suite is a TOML file of named scenarios (benchmarks/ci.toml is dlmrt's own):
+
+    format_version = 1
+    name = "ci"
+    [defaults]                      # any scenario key, for every scenario
+    backends = ["reference", "torch:eager"]
+    [scenarios.tiny-threshold]
+    batch_size = 4
+    output_len = 32
+
+A baseline (JSON, written only by `--update-baseline`) records, per scenario and case, the figures
+that must not change at all (the generated tokens' digest, NFE, TPF, and the exact-match of an
+`exact_match_per_task` scenario) and the speed ratios measured in the same run against the
+scenario's first case, with their spread over the timed rounds. The gate (`check`):
+
+- deterministic figures must equal the baseline exactly;
+- a ratio is a regression when even this run's best round falls below the baseline's median by
+  more than the margin (the baseline's relative spread, within [MIN_MARGIN, MAX_MARGIN]). Each
+  round times every case in turn, so a ratio within one round cancels the machine's drift, and a
+  noisy round cannot fail the gate alone. A scenario that shows a regression is run again, and
+  only a regression seen in both runs counts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import typing
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dlmrt import atomic, json_files
+from dlmrt.errors import DlmrtError
+
+SUITE_FORMAT_VERSION = BASELINE_FORMAT_VERSION = 1
+# The allowed drop of a speed ratio: the baseline's own spread over its rounds, at least MIN_MARGIN
+# and at most MAX_MARGIN (a noisy baseline must not make the gate blind).
+MIN_MARGIN, MAX_MARGIN = 0.25, 0.5
+
+
+class SuiteError(DlmrtError):
+    """A suite or baseline file that cannot be used."""
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str = "bench"
+    model: str | None = None  # a model directory or a random config; None: the tiny model
+    backends: tuple[str, ...] = ("torch:eager",)
+    batch_size: int = 1
+    input_len: int = 32
+    output_len: int = 32
+    block_length: int | None = None
+    policy: str = "threshold"
+    threshold: float | None = None
+    factor: float | None = None
+    steps: int | None = None
+    cache: str | None = None
+    seed: int = 0
+    num_iters: int = 5
+    num_iters_warmup: int = 1
+    dtype: str = "auto"
+    device: str = "cpu"
+    exact_match_per_task: int | None = None  # also score the task suite's exact match (torch eager)
+
+
+_KINDS = typing.get_type_hints(Scenario)
+
+
+def load_suite(path: Path) -> tuple[str, list[Scenario]]:
+    """The suite's name and scenarios, every key and type checked."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    try:
+        raw = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as error:
+        raise SuiteError(f"cannot read the suite {path}: {error}") from None
+    except tomllib.TOMLDecodeError as error:
+        raise SuiteError(f"{path} is not valid TOML ({error})") from None
+    unknown = set(raw) - {"format_version", "name", "defaults", "scenarios"}
+    if unknown:
+        raise SuiteError(f"{path}: unknown key {sorted(unknown)[0]!r} (a suite holds format_version, name, "
+                         f"defaults and scenarios)")
+    if raw.get("format_version") != SUITE_FORMAT_VERSION:
+        raise SuiteError(f"{path}: format_version must be {SUITE_FORMAT_VERSION}, got {raw.get('format_version')!r}")
+    name = raw.get("name")
+    if not isinstance(name, str) or not name:
+        raise SuiteError(f"{path}: name must be a non-empty string")
+    defaults = _fields(raw.get("defaults", {}), f"{path} [defaults]")
+    scenarios = raw.get("scenarios")
+    if not isinstance(scenarios, dict) or not scenarios:
+        raise SuiteError(f"{path}: [scenarios.NAME] tables are missing")
+    return name, [Scenario(**{**defaults, **_fields(table, f"{path} [scenarios.{label}]"), "name": label})
+                  for label, table in scenarios.items()]
+
+
+def _fields(table: Any, where: str) -> dict[str, Any]:
+    if not isinstance(table, dict):
+        raise SuiteError(f"{where} must be a table")
+    found = {}
+    for key, value in table.items():
+        if key not in _KINDS or key == "name":
+            raise SuiteError(f"{where}: unknown key {key!r} (known: {', '.join(k for k in _KINDS if k != 'name')})")
+        kind = _KINDS[key]
+        allowed = typing.get_args(kind) or (kind,)
+        if key == "backends":
+            if not (isinstance(value, list) and value and all(isinstance(v, str) for v in value)):
+                raise SuiteError(f"{where}: backends must be a non-empty list of strings, got {value!r}")
+            value = tuple(value)
+        elif not any(_is(value, a) for a in allowed):
+            names = " or ".join(getattr(a, "__name__", str(a)) for a in allowed)
+            raise SuiteError(f"{where}: {key} must be {names}, got {value!r}")
+        found[key] = float(value) if float in allowed and isinstance(value, int) else value
+    return found
+
+
+def _is(value: Any, kind: Any) -> bool:
+    if kind is type(None):
+        return value is None
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, kind)
+
+
+# -- baselines ------------------------------------------------------------------------------------
+
+def record(suite: str, results: dict[str, dict]) -> dict:
+    """A baseline from one run: `results` maps scenario name to its run (`cases`, `exact_match`)."""
+    scenarios = {}
+    for name, result in results.items():
+        cases = {}
+        for case in result["cases"]:
+            ratio = case.get("ratio_runs")
+            cases[case["setting"]] = {
+                "tokens_sha256": case["tokens_sha256"], "nfe": case["nfe"], "tpf": case["tpf"],
+                **({"ratio": statistics.median(ratio), "ratio_low": min(ratio), "ratio_high": max(ratio)}
+                   if ratio else {})}
+        scenarios[name] = {"cases": cases, "exact_match": result.get("exact_match")}
+    return {"format_version": BASELINE_FORMAT_VERSION, "suite": suite, "scenarios": scenarios}
+
+
+def load_baseline(path: Path, suite: str) -> dict:
+    baseline = json_files.read(Path(path), SuiteError, "record one with --update-baseline")
+    if baseline.get("format_version") != BASELINE_FORMAT_VERSION:
+        raise SuiteError(f"{path} has format_version {baseline.get('format_version')!r}, this dlmrt reads "
+                         f"{BASELINE_FORMAT_VERSION}: record it again with --update-baseline")
+    if baseline.get("suite") != suite:
+        raise SuiteError(f"{path} is the baseline of suite {baseline.get('suite')!r}, not {suite!r}: give that "
+                         f"suite's baseline, or record one with --update-baseline")
+    if not isinstance(baseline.get("scenarios"), dict):
+        raise SuiteError(f"{path}: scenarios is missing: record it again with --update-baseline")
+    return baseline
+
+
+def save_baseline(path: Path, baseline: dict) -> None:
+    atomic.write_text(path, json.dumps(baseline, indent=2) + "\n")
+
+
+# -- the gate -------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Finding:
+    scenario: str
+    case: str
+    figure: str
+    baseline: Any
+    measured: Any
+    margin: float | None = None  # for ratios: the relative drop allowed
+
+    def __str__(self) -> str:
+        if self.margin is None:
+            return (f"scenario {self.scenario}, {self.case}: {self.figure} is {self.measured}, the baseline "
+                    f"holds {self.baseline} (it must not change)")
+        return (f"scenario {self.scenario}, {self.case}: {self.figure} is {self.measured:.2f}x, the baseline "
+                f"{self.baseline:.2f}x, below it by more than the {self.margin:.0%} margin")
+
+
+def check(name: str, result: dict, baseline: dict) -> tuple[list[Finding], list[Finding]]:
+    """(changed deterministic figures, slower ratios) of one scenario's run against its baseline."""
+    recorded = baseline["scenarios"].get(name)
+    if recorded is None:
+        return [Finding(name, "-", "scenario", "absent", "present")], []
+    changed, slower = [], []
+    if recorded.get("exact_match") != result.get("exact_match"):
+        changed.append(Finding(name, "torch:eager", "exact_match", recorded.get("exact_match"),
+                               result.get("exact_match")))
+    found = {case["setting"]: case for case in result["cases"]}
+    for label, expected in recorded["cases"].items():
+        case = found.get(label)
+        if case is None:
+            changed.append(Finding(name, label, "case", "present", "absent"))
+            continue
+        for figure in ("tokens_sha256", "nfe", "tpf"):
+            if case[figure] != expected[figure]:
+                changed.append(Finding(name, label, figure, expected[figure], case[figure]))
+        if "ratio" in expected and case.get("ratio_runs"):
+            best = max(case["ratio_runs"])
+            spread = (expected["ratio_high"] - expected["ratio_low"]) / expected["ratio"]
+            margin = min(MAX_MARGIN, max(MIN_MARGIN, spread))
+            if best < expected["ratio"] * (1 - margin):
+                slower.append(Finding(name, label, f"speed vs {result['cases'][0]['setting']} (best round)",
+                                      expected["ratio"], best, margin))
+    return changed, slower
+
+
+def write_summaries(findings: list[Finding], scenarios: list[str], markdown: Path | None, junit: Path | None) -> None:
+    """A Markdown summary for a CI page, and JUnit XML (one test case per scenario)."""
+    by_scenario = {name: [f for f in findings if f.scenario == name] for name in scenarios}
+    if markdown is not None:
+        lines = ["# dlmrt bench gate", "", "| scenario | result |", "|---|---|"]
+        lines += [f"| {name} | {'pass' if not found else '<br>'.join(map(str, found))} |"
+                  for name, found in by_scenario.items()]
+        atomic.write_text(markdown, "\n".join(lines) + "\n")
+    if junit is not None:
+        suite = ET.Element("testsuite", name="dlmrt-bench", tests=str(len(scenarios)),
+                           failures=str(sum(bool(f) for f in by_scenario.values())))
+        for name, found in by_scenario.items():
+            case = ET.SubElement(suite, "testcase", classname="dlmrt.bench", name=name)
+            for finding in found:
+                ET.SubElement(case, "failure", message=str(finding))
+        atomic.write_bytes(junit, ET.tostring(suite, encoding="utf-8", xml_declaration=True))
+
+
+def scenario_dict(scenario: Scenario) -> dict:
+    return {**dataclasses.asdict(scenario), "backends": list(scenario.backends)}
