@@ -116,13 +116,27 @@ SCENARIO_OPTIONS = ("model_name", "backend_spec", "batch_size", "input_len", "ou
               help="With --check: a Markdown summary of the gate.")
 @click.option("--junit", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="With --check: JUnit XML, one test case per scenario.")
+@click.option("--history", type=click.Path(path_type=Path, dir_okay=False), default=None, metavar="FILE.jsonl",
+              help="Append this run (ratios, digests, environment) as one JSON line.")
+@click.option("--plot", "plot_path", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              metavar="PATH.png", help="Plot each speed ratio's trend over --history (or this run) and the "
+                                       "speed-quality points (needs matplotlib).")
 @click.pass_context
 @reports_errors
-def bench_command(ctx, output_json, suite, scenario_names, baseline, check, update_baseline, summary, junit,
-                  **options):
+def bench_command(ctx, output_json, suite, scenario_names, baseline, check, update_baseline, summary, junit, history,
+                  plot_path, **options):
     """Latency and throughput of generate: tokens/s, TPF, NFE, latency per request and per step."""
     from rich.console import Console
 
+    if plot_path is not None:
+        from dlmrt.evaluation import require_matplotlib
+
+        if plot_path.suffix.lower() != ".png":
+            raise click.BadParameter(f"the plot is a PNG: give a path ending in .png, got {str(plot_path)!r}",
+                                     param_hint="--plot")
+        require_matplotlib()
+    past = bench_suite.read_history(history) if history is not None else []  # a bad history fails first
+    failed = None
     if suite is None:
         if scenario_names or baseline or check or update_baseline or summary or junit:
             raise click.UsageError("--scenario, --baseline, --check, --update-baseline, --summary and --junit "
@@ -150,11 +164,24 @@ def bench_command(ctx, output_json, suite, scenario_names, baseline, check, upda
         scenarios = [s for s in scenarios if not scenario_names or s.name in scenario_names]
         results = {s.name: run_scenario(s, Console(stderr=True)) for s in scenarios}
         if check:
-            gate(suite_name, scenarios, results, expected, summary, junit)
+            try:
+                gate(suite_name, scenarios, results, expected, summary, junit)
+            except click.ClickException as error:  # the run still goes into the history and the plot
+                failed = error
         if update_baseline:
             bench_suite.save_baseline(baseline, bench_suite.record(suite_name, results))
     if output_json is not None:
         write_json(output_json, suite_name, results)
+    if history is not None or plot_path is not None:
+        from dlmrt.benchmark import environment
+
+        entry = bench_suite.history_entry(suite_name, results, environment())
+        if history is not None:
+            bench_suite.append_history(history, entry)
+        if plot_path is not None:
+            bench_suite.write_plot([*past, entry], plot_path, f"dlmrt bench: {suite_name or 'one scenario'}")
+    if failed is not None:
+        raise failed
 
 
 def gate(suite_name: str, scenarios, results: dict, expected: dict, summary, junit) -> None:

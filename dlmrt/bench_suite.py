@@ -232,3 +232,81 @@ def write_summaries(findings: list[Finding], scenarios: list[str], markdown: Pat
 
 def scenario_dict(scenario: Scenario) -> dict:
     return {**dataclasses.asdict(scenario), "backends": list(scenario.backends)}
+
+
+# -- history and plots ----------------------------------------------------------------------------
+
+def history_entry(suite: str | None, results: dict[str, dict], environment: dict) -> dict:
+    """One run as a history line: per scenario and case, the speed ratio and the deterministic figures."""
+    import datetime
+
+    scenarios = {}
+    for name, result in results.items():
+        scenarios[name] = {"exact_match": result.get("exact_match"), "cases": {
+            case["setting"]: {"ratio": statistics.median(case["ratio_runs"]), "tokens_per_s": case["tokens_per_s"],
+                              "tpf": case["tpf"], "nfe": case["nfe"], "tokens_sha256": case["tokens_sha256"]}
+            for case in result["cases"]}}
+    return {"time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "suite": suite,
+            "environment": environment, "scenarios": scenarios}
+
+
+def append_history(path: Path, entry: dict) -> None:
+    """One JSON line appended in a single write (whole lines, even with writers side by side)."""
+    import os
+
+    line = (json.dumps(entry) + "\n").encode("utf-8")
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.write(descriptor, line)
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def read_history(path: Path) -> list[dict]:
+    if not Path(path).is_file():
+        return []
+    lines = Path(path).read_text(encoding="utf-8").splitlines()
+    return [json_files.parse(line, f"{path} line {number}", SuiteError)
+            for number, line in enumerate(lines, start=1) if line.strip()]
+
+
+def write_plot(history: list[dict], path: Path, title: str) -> None:
+    """Two panels: each case's speed ratio run after run (the trend), and TPF against exact match for
+    the scenarios that score it, in the latest run (the speed-quality points)."""
+    import io
+
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(12, 5), dpi=110)
+    FigureCanvasAgg(figure)
+    trend, quality = figure.subplots(1, 2)
+    series: dict[str, list[tuple[int, float]]] = {}
+    for index, entry in enumerate(history):
+        for scenario, found in entry["scenarios"].items():
+            for case, figures in list(found["cases"].items())[1:]:  # the first case is every ratio's 1.0
+                series.setdefault(f"{scenario}: {case}", []).append((index, figures["ratio"]))
+    for label, points in series.items():
+        trend.plot([i for i, _ in points], [r for _, r in points], marker="o", label=label)
+    trend.set_xlabel("run")
+    trend.set_ylabel("speed against the scenario's first case (x)")
+    trend.set_title("speed ratios, run after run")
+    trend.grid(True, alpha=0.3)
+    if series:
+        trend.legend(fontsize=7)
+    latest = history[-1]["scenarios"] if history else {}
+    for scenario, found in latest.items():
+        if found.get("exact_match") is not None:
+            tpf = max(figures["tpf"] for figures in found["cases"].values())
+            quality.scatter([tpf], [100 * found["exact_match"]])
+            quality.annotate(scenario, (tpf, 100 * found["exact_match"]), textcoords="offset points",
+                             xytext=(4, 4), fontsize=7)
+    quality.set_xlabel("tokens per forward (TPF)")
+    quality.set_ylabel("exact match (%)")
+    quality.set_title("speed and quality, latest run")
+    quality.grid(True, alpha=0.3)
+    figure.suptitle(title)
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", bbox_inches="tight")
+    atomic.write_bytes(path, buffer.getvalue())

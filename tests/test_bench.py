@@ -180,3 +180,21 @@ def test_suite_options_are_not_mixed_with_one_scenario_options(suite):
     assert result.exit_code == 2 and "--suite sets every scenario's options: drop --batch-size" in result.output
     result = bench("--check")
     assert result.exit_code == 2 and "need --suite" in result.output
+
+
+def test_every_run_appends_to_the_history_and_the_plot_draws_its_trend(suite, tmp_path):
+    pytest.importorskip("matplotlib")
+    path, baseline = suite
+    history, plot = tmp_path / "history.jsonl", tmp_path / "trend.png"
+    for _ in range(2):
+        result = bench("--suite", path, "--baseline", baseline, "--check", "--history", history, "--plot", plot)
+        assert result.exit_code == 0, result.output
+    lines = [json.loads(line) for line in history.read_text().splitlines()]
+    assert len(lines) == 2 and all(line["suite"] == "test" for line in lines)
+    case = lines[-1]["scenarios"]["tiny"]["cases"]["torch:eager"]
+    assert case["ratio"] > 0 and case["tokens_sha256"] == json.loads(baseline.read_text())[
+        "scenarios"]["tiny"]["cases"]["torch:eager"]["tokens_sha256"]
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    history.write_text(history.read_text() + "{broken\n")
+    result = bench("--suite", path, "--history", history)
+    assert result.exit_code == 2 and "history.jsonl line 3 is not valid JSON" in result.output
