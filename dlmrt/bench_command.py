@@ -169,7 +169,11 @@ def bench_command(ctx, output_json, suite, scenario_names, baseline, check, upda
             except click.ClickException as error:  # the run still goes into the history and the plot
                 failed = error
         if update_baseline:
-            bench_suite.save_baseline(baseline, bench_suite.record(suite_name, results))
+            recorded = bench_suite.record(suite_name, results)
+            if scenario_names and baseline.exists():  # a subset updates its scenarios, and keeps the others
+                kept = bench_suite.load_baseline(baseline, suite_name)
+                recorded["scenarios"] = {**kept["scenarios"], **recorded["scenarios"]}
+            bench_suite.save_baseline(baseline, recorded)
     if output_json is not None:
         write_json(output_json, suite_name, results)
     if history is not None or plot_path is not None:

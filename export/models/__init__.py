@@ -100,15 +100,20 @@ def create(raw: Mapping[str, Any], *, tokens: SpecialTokens | None = None, seed:
     model.to_empty(device=device)
     generator = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
+        for tensor in model.state_dict().values():
+            tensor.fill_(float("nan"))  # what the loop below misses stays NaN, and is caught after it
         for module in model.modules():
             if isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
-            elif isinstance(module, (nn.Linear, nn.Embedding)):
+            elif isinstance(module, (nn.Linear, nn.Embedding, llada2_moe.Router)):
                 module.weight.normal_(0.0, init_std, generator=generator)
                 if getattr(module, "bias", None) is not None:
                     module.bias.zero_()
-            elif isinstance(module, llada2_moe.Router):
-                module.expert_bias.zero_()
+                if isinstance(module, llada2_moe.Router):
+                    module.expert_bias.zero_()
         if model.residual_config is not None:
             model.residual_adapter().output_layer().weight.zero_()
+        missed = [name for name, tensor in model.state_dict().items() if not torch.isfinite(tensor).all()]
+        if missed:
+            raise RuntimeError(f"models.create left {missed[:5]} uninitialized: a dlmrt bug")
     return model.to(dtype).eval()
