@@ -286,10 +286,11 @@ def make_cases(model, backends, prompts, settings, scratch: Path, console):
             generator = Generator(TorchBackend(model, mode=mode, max_batch=len(prompts)))
         else:
             from dlmrt.cli_errors import require_onnx_extra
+
+            require_onnx_extra()  # before the imports that need it
             from dlmrt.export.onnx_export import export
             from dlmrt.runtime.ort_backend import OrtBackend
 
-            require_onnx_extra()
             with console.status(f"exporting {model.name} for ONNX Runtime"):
                 export_dir = export(model, scratch / "export", max_batch=len(prompts),
                                     max_length=len(prompts[0]) + settings.gen_length + settings.block_length)

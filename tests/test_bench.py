@@ -198,3 +198,15 @@ def test_every_run_appends_to_the_history_and_the_plot_draws_its_trend(suite, tm
     history.write_text(history.read_text() + "{broken\n")
     result = bench("--suite", path, "--history", history)
     assert result.exit_code == 2 and "history.jsonl line 3 is not valid JSON" in result.output
+
+
+def test_the_ort_case_without_the_onnx_extra_names_it(monkeypatch):
+    import importlib.util
+    import sys
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "onnx" else find_spec(name, *a))
+    monkeypatch.setitem(sys.modules, "onnx", None)  # `import onnx` fails, as where it is not installed
+    monkeypatch.delitem(sys.modules, "dlmrt.export.onnx_export", raising=False)
+    result = bench("--backend", "torch:eager,ort", "--num-iters", 1)
+    assert result.exit_code == 2 and "pip install 'dlmrt[onnx]'" in result.output, result.output
