@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import click
 
 from dlmrt import TINY_MODEL_DIR, __version__, limits
-from dlmrt.cli_errors import UserError, guarded, reports_errors, require_onnx_extra
+from dlmrt.cli_errors import UserError, guarded, reports_errors, require_onnx_extra, require_trt_extra
 from dlmrt.cli_types import FLOAT32, LENGTH
 from dlmrt.bench_command import bench_command
 from dlmrt.engine_commands import build_command, inspect_command
@@ -198,6 +198,7 @@ def open_backend(backend: str, model_dir: Path | None, *, dtype: str, mode: str,
                                                           optimized_model_dir=home() / "ort")
     device = resolve_device(backend, device)
     if backend == "trt":
+        require_trt_extra()
         from dlmrt.runtime.exported_model import ExportedModel
         from dlmrt.runtime.trt_backend import TrtBackend
 

@@ -33,6 +33,15 @@ def reports_errors(command):
     return wrapper
 
 
+def require_trt_extra() -> None:
+    """The engines' side reads ONNX (plugin specs, selection) before TensorRT is even asked for."""
+    import importlib.util
+
+    if importlib.util.find_spec("onnx") is None:
+        raise UserError("--backend trt needs the tensorrt extra (TensorRT and onnx): pip install 'dlmrt[tensorrt]' "
+                        "on a machine with an NVIDIA GPU")
+
+
 def require_onnx_extra() -> None:
     """One clear line, instead of an ImportError, when the ONNX path is not installed."""
     import importlib.util

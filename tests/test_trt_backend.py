@@ -252,3 +252,19 @@ def test_inspect_for_an_export_shows_the_engine_the_backend_runs(tiny_export, tm
     [shown] = json.loads(result.output)
     assert shown["entry"] == str(trt_backend.selected.entry)
     assert trt_backend.selected.entry.name == f"sm_90-{precision or 'bf16'}"
+
+
+def test_cli_trt_without_the_tensorrt_extra_names_it(tiny_export, monkeypatch):
+    import sys
+
+    from click.testing import CliRunner
+
+    from dlmrt.cli import main
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "onnx" else find_spec(name, *a))
+    monkeypatch.setitem(sys.modules, "onnx", None)  # a base install: no onnx
+    for module in ("dlmrt.runtime.trt_backend", "dlmrt.engines.select", "dlmrt.engines.plugin_specs"):
+        monkeypatch.delitem(sys.modules, module, raising=False)
+    result = CliRunner().invoke(main, ["generate", "--backend", "trt", "--model", str(tiny_export), "--prompt", "x"])
+    assert result.exit_code == 2 and "pip install 'dlmrt[tensorrt]'" in result.output, result.output
