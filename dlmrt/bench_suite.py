@@ -102,6 +102,8 @@ def load_suite(path: Path) -> tuple[str, list[Scenario]]:
 
 
 def _fields(table: Any, where: str) -> dict[str, Any]:
+    from dlmrt.export.models.config import matches  # here: its package imports torch, and `dlmrt --help` need not
+
     if not isinstance(table, dict):
         raise SuiteError(f"{where} must be a table")
     found = {}
@@ -114,21 +116,11 @@ def _fields(table: Any, where: str) -> dict[str, Any]:
             if not (isinstance(value, list) and value and all(isinstance(v, str) for v in value)):
                 raise SuiteError(f"{where}: backends must be a non-empty list of strings, got {value!r}")
             value = tuple(value)
-        elif not any(_is(value, a) for a in allowed):
+        elif not matches(value, kind):
             names = " or ".join(getattr(a, "__name__", str(a)) for a in allowed)
             raise SuiteError(f"{where}: {key} must be {names}, got {value!r}")
         found[key] = float(value) if float in allowed and isinstance(value, int) else value
     return found
-
-
-def _is(value: Any, kind: Any) -> bool:
-    if kind is type(None):
-        return value is None
-    if kind is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if kind is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    return isinstance(value, kind)
 
 
 # -- baselines ------------------------------------------------------------------------------------

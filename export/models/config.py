@@ -27,10 +27,11 @@ _JSON_NAMES = {int: "an integer", float: "a number", bool: "true or false", str:
                type(None): "null"}
 
 
-def _matches(value: Any, kind: Any) -> bool:
+def matches(value: Any, kind: Any) -> bool:
+    """Whether a JSON value has the annotated type (a boolean is not a number; an int is a float)."""
     origin = typing.get_origin(kind)
     if origin in (typing.Union, types.UnionType):
-        return any(_matches(value, k) for k in typing.get_args(kind))
+        return any(matches(value, k) for k in typing.get_args(kind))
     if kind is type(None):
         return value is None
     if kind is bool:
@@ -81,7 +82,7 @@ def parse(cls: type[C], raw: Mapping[str, Any], source: Path | str,
                     f"{source}: required field '{field.name}' is missing (expected {_describe(kind)})")
             continue
         value = raw[field.name]
-        if not _matches(value, kind):
+        if not matches(value, kind):
             raise CheckpointError(
                 f"{source}: field '{field.name}' must be {_describe(kind)}, got {_found(value)}")
         if isinstance(value, int) and not isinstance(value, bool) and not -2**63 <= value < 2**63:
