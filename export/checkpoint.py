@@ -250,8 +250,10 @@ def _shards(state: Mapping[str, torch.Tensor], max_shard_bytes: int) -> list[dic
     return shards
 
 
-def save(model: Denoiser, path: str | os.PathLike, *, max_shard_bytes: int | None = None) -> Path:
-    """Write `model` as a Hugging Face directory (atomically: all of it or, on failure, none)."""
+def save(model: Denoiser, path: str | os.PathLike, *, max_shard_bytes: int | None = None,
+         extra_files: Mapping[str, bytes] | None = None) -> Path:
+    """Write `model` as a Hugging Face directory (atomically: all of it or, on failure, none), with
+    `extra_files` (name -> contents, e.g. a training state or report) written in the same step."""
     path = Path(path)
     state = {name: t.detach().contiguous().cpu() for name, t in model.state_dict().items()}
     config = dict(model.raw_config)
@@ -281,4 +283,6 @@ def save(model: Denoiser, path: str | os.PathLike, *, max_shard_bytes: int | Non
             (staging / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
         if model.tokenizer is not None:
             model.tokenizer.save(str(staging / "tokenizer.json"))
+        for name, contents in (extra_files or {}).items():
+            (staging / name).write_bytes(contents)
     return path

@@ -78,10 +78,12 @@ def resolve_mode(mode: str, device: torch.device) -> str:
 class _TorchGraph:
     """The step graph as `device_step.step` calls it: inputs by name in, what it reads out."""
 
-    def __init__(self, graph: StepGraph):
-        self.graph = graph
+    def __init__(self, graph: StepGraph, observe: Callable[[Mapping[str, Tensor]], None] | None = None):
+        self.graph, self.observe = graph, observe
 
     def __call__(self, inputs: Mapping[str, Tensor]) -> GraphOutputs:
+        if self.observe is not None:
+            self.observe(inputs)
         out = self.graph(**inputs)
         z, certainty = (out[5], out[6]) if len(out) > 5 else (None, None)
         return GraphOutputs(out[0], out[4], z, certainty)
@@ -91,7 +93,10 @@ class TorchBackend(Backend):
     def __init__(self, model: Denoiser, *, mode: str = "auto", max_batch: int = DEFAULT_MAX_BATCH,
                  max_length: int | None = None, batch_sizes: tuple[int, ...] | None = None,
                  canvas_lengths: tuple[int, ...] | None = None, unmask: str = "torch",
-                 on_compile: Callable[[str], None] | None = None):
+                 on_compile: Callable[[str], None] | None = None,
+                 observe: Callable[[Mapping[str, Tensor]], None] | None = None):
+        """`observe(inputs)` (eager mode only) sees each step graph's inputs by name, before the step
+        runs, as the step consumes them: what ORL training records of a rollout."""
         model.eval()
         spec = spec_of(model)
         super().__init__(spec, BucketLadder(
@@ -100,6 +105,10 @@ class TorchBackend(Backend):
             canvas_hint="raise it with TorchBackend(max_length=...), up to the model's context"))
         self.model = model
         self.mode = resolve_mode(mode, spec.device)
+        if observe is not None and self.mode != "eager":
+            raise ArgumentError(f"observing the step's inputs needs mode 'eager', not {self.mode!r}: a compiled "
+                                f"or captured step cannot call back into Python")
+        self.observe = observe
         check_unmask(unmask)
         self.unmask = unmask  # the unmasking step's kernels: "torch" (its reference) or "triton"
         self.falls_back = mode == "auto"  # to eager, when a bucket fails to compile or capture
@@ -124,7 +133,7 @@ class TorchBackend(Backend):
         if key not in self._graphs:
             self._graphs[key] = _TorchGraph(StepGraph(model, graph, grid, return_kv=kind.writes > 0,
                                                       sampling=kind.sampling, confidence=kind.confidence,
-                                                      unmask=self.unmask).eval())
+                                                      unmask=self.unmask).eval(), self.observe)
         return self._graphs[key]
 
     # -- Backend ------------------------------------------------------------------------------------

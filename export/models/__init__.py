@@ -64,6 +64,9 @@ def build(raw: Mapping[str, Any], source: str, tokens: SpecialTokens | None, *,
     family = family_of(raw, source)
     config = family.parse_config(dict(raw), source)
     residual_config = residual.parse_config(raw.get("residual_context"), source)
+    if residual_config is not None and not family.model_class.supports_residual_context:
+        raise UnsupportedFeatureError(f"{source}: the {family.model_type} family has no residual pathway, but "
+                                      f"config.json sets residual_context; remove it")
     weights = family.parameter_count(config) * torch.tensor([], dtype=dtype).element_size()
     limits.check_fits(weights, f"{source}: the model's weights in {str(dtype).removeprefix('torch.')}", device,
                       f"load it in a smaller dtype (--dtype bfloat16), on a larger device, or check the config's "

@@ -49,6 +49,8 @@ class Denoiser(nn.Module, ABC):
     block_causal: ClassVar[bool] = False
     # Block size of the block-causal grid when a call does not give one.
     default_block_length: ClassVar[int | None] = None
+    # Whether the family implements the ORL residual pathway (`residual_adapter` and the mix).
+    supports_residual_context: ClassVar[bool] = True
 
     def __init__(self, config: Any, residual_config: ResidualConfig | None, tokens: SpecialTokens | None):
         super().__init__()
