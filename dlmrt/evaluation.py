@@ -14,7 +14,7 @@ import functools
 import io
 import json
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -24,7 +24,7 @@ from dlmrt.errors import ArgumentError
 from dlmrt.export.models import Denoiser
 from dlmrt.runtime import GenerationMetrics, GenerationSettings, Generator, Policy, make_policy, text
 from dlmrt.runtime.settings import check_request
-from dlmrt.tasks import Example
+from dlmrt.tasks import Example, is_correct
 
 if TYPE_CHECKING:
     from dlmrt.runtime.backend import Backend
@@ -49,7 +49,9 @@ LABEL_WIDTH, LABEL_HEIGHT = 0.25, 0.03
 
 @dataclass(frozen=True)
 class EvalScore:
-    per_task: dict[str, float]  # fraction of exactly right answers, tasks in order of first appearance
+    # Fraction of right answers, tasks in order of first appearance: exactly the answer, or for a
+    # task with several right answers (`dlmrt.tasks.VERIFIERS`) what its verifier accepts.
+    per_task: dict[str, float]
     metrics: GenerationMetrics  # all batches together
 
     @property
@@ -136,7 +138,7 @@ def _score(generator: Generator, model: Denoiser | ExportedModel, examples: Sequ
         result = generator.generate(prompts[start:start + batch_size], settings)
         for example, row in zip(batch, result.rows):
             total[example.task] += 1
-            right[example.task] += text.decode(model, row.token_ids) == example.answer
+            right[example.task] += is_correct(example, text.decode(model, row.token_ids))
         metrics.append(result.metrics)
         if on_batch is not None:
             on_batch(len(batch))
@@ -259,20 +261,12 @@ def require_matplotlib() -> None:
 
 def write_plot(results: Sequence[SettingScore], path: str | Path, title: str) -> None:
     """Mean exact-match (%) against tokens per forward, one line per policy, written as a PNG."""
-    require_matplotlib()
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    figure = Figure(figsize=(8, 5.5), dpi=120)
-    FigureCanvasAgg(figure)
-    axes = figure.add_subplot()
+    figure, axes = _figure()
     by_policy: dict[str, list[SettingScore]] = defaultdict(list)
     for result in results:
         by_policy[result.setting.policy.name].append(result)
     for name, points in by_policy.items():
-        points = sorted(points, key=lambda r: r.score.metrics.tpf)
-        axes.plot([r.score.metrics.tpf for r in points], [100 * r.score.mean for r in points],
-                  marker="o", label=name)
+        _line(axes, points, label=name, marker="o")
     lowest = min(100 * r.score.mean for r in results)
     axes.set_ylim(max(0.0, lowest - 5), 101)
     for result, level in zip(results, _label_levels(results, axes.get_xlim(), axes.get_ylim())):
@@ -280,11 +274,49 @@ def write_plot(results: Sequence[SettingScore], path: str | Path, title: str) ->
         axes.annotate(result.setting.label, (result.score.metrics.tpf, 100 * result.score.mean),
                       textcoords="offset points", xytext=(4, 4 + LABEL_STEP_PT * level), fontsize=7,
                       arrowprops=leader)
+    _finish(figure, axes, title, path)
+
+
+def write_comparison_plot(curves: Mapping[str, Sequence[SettingScore]], path: str | Path, title: str) -> None:
+    """The speed-quality curves of several models over one grid, as a PNG: for each model, a line
+    through each policy's settings (solid for the threshold rule, dashed for factor, dotted for fixed)."""
+    figure, axes = _figure()
+    styles = {"threshold": "-", "residual": "-", "factor": "--", "fixed": ":"}
+    markers = {"threshold": "o", "residual": "o", "factor": "s", "fixed": "^"}
+    for index, (model, results) in enumerate(curves.items()):
+        color = f"C{index}"
+        by_policy: dict[str, list[SettingScore]] = defaultdict(list)
+        for result in results:
+            by_policy[result.setting.policy.name].append(result)
+        for policy, points in by_policy.items():
+            _line(axes, points, label=f"{model}, {policy}", color=color, linestyle=styles.get(policy, "-."),
+                  marker=markers.get(policy, "x"))
+    lowest = min(100 * r.score.mean for results in curves.values() for r in results)
+    axes.set_ylim(max(0.0, lowest - 5), 101)
+    _finish(figure, axes, title, path)
+
+
+def _figure():
+    require_matplotlib()
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(8, 5.5), dpi=120)
+    FigureCanvasAgg(figure)
+    return figure, figure.add_subplot()
+
+
+def _line(axes, points: Sequence[SettingScore], **style) -> None:
+    points = sorted(points, key=lambda r: r.score.metrics.tpf)
+    axes.plot([r.score.metrics.tpf for r in points], [100 * r.score.mean for r in points], **style)
+
+
+def _finish(figure, axes, title: str, path: str | Path) -> None:
     axes.set_xlabel("tokens per forward (TPF)")
     axes.set_ylabel("exact-match, mean over tasks (%)")
     axes.set_title(title)
     axes.grid(True, alpha=0.3)
-    axes.legend(loc="lower left")  # curves fall to the right, so the lower left is usually empty
+    axes.legend(loc="lower left", fontsize=8)  # curves fall to the right, so the lower left is usually empty
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png", bbox_inches="tight")  # "tight" keeps labels near the edges
     atomic.write_bytes(path, buffer.getvalue())

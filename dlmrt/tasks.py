@@ -8,7 +8,14 @@ Each task's output tokens depend on the input and on each other differently:
 - `add`  add two 3-digit numbers: each digit depends on the digits to its
   right through the carry chain, so decoding one token at a time helps.
   Operands and sum are zero-padded to fixed widths, so that each answer digit
-  sits at a fixed distance from the operand digits it depends on.
+  sits at a fixed distance from the operand digits it depends on;
+- `same` one of the 3 to 8 input letters, written once per input letter: every
+  input letter gives a right answer, so no output token is determined until
+  one is chosen, and then all are. One token per step copies the first choice;
+  committing several at once picks them independently and they disagree.
+  This task gives the suite's speed-quality curve its shape. Its score is a
+  verifier (`is_correct`); the other tasks have one right answer each, and
+  theirs is exact match.
 
 Prompts read `task:input=` and the answer follows, then end-of-sequence, e.g.
 `add:317+045=` -> `0362`. A prompt belongs to the held-out split when the CRC-32
@@ -55,7 +62,31 @@ def _add(rng: random.Random) -> tuple[str, str]:
     return f"{a:03d}+{b:03d}", f"{a + b:04d}"
 
 
-TASKS: dict[str, Callable[[random.Random], tuple[str, str]]] = {"rev": _reverse, "sort": _sort, "add": _add}
+def _same(rng: random.Random) -> tuple[str, str]:
+    """The prompt's letters and one right answer (the training target: a random letter's)."""
+    letters = "".join(rng.sample(string.ascii_lowercase, rng.randint(MIN_LEN, MAX_LEN)))
+    return letters, rng.choice(letters) * len(letters)
+
+
+TASKS: dict[str, Callable[[random.Random], tuple[str, str]]] = {
+    "rev": _reverse, "sort": _sort, "add": _add, "same": _same}
+
+
+def _is_one_letter_repeated(example: Example, output: str) -> bool:
+    letters = example.prompt.removeprefix("same:").removesuffix("=")
+    return len(output) == len(letters) and output[:1] in letters and output == output[:1] * len(letters)
+
+
+# Tasks with more than one right answer, and what checks an output (the rest: equal to the answer).
+VERIFIERS: dict[str, Callable[[Example, str], bool]] = {"same": _is_one_letter_repeated}
+
+
+def is_correct(example: Example, output: str | None) -> bool:
+    """Whether `output` answers `example`: its task's verifier, or else equality with the answer."""
+    if output is None:
+        return False
+    verifier = VERIFIERS.get(example.task)
+    return verifier(example, output) if verifier is not None else output == example.answer
 
 
 def split_of(prompt: str) -> str:

@@ -131,7 +131,7 @@ def exact_match(target: Target, completions: list[list[int]], reference: list[li
     right: dict[str, list[bool]] = {}
     for example, completion, expected in zip(target.examples, completions, reference):
         if target.answers_known:
-            correct = text.decode(target.model, completion) == example.answer
+            correct = tasks.is_correct(example, text.decode(target.model, completion))
         else:
             correct = completion == expected
         right.setdefault(example.task, []).append(correct)

@@ -152,21 +152,21 @@ def test_eval_prints_a_table_in_the_order_given(cli_run):
     result, _, _ = cli_run
     positions = [result.output.index(spec) for spec in CLI_SETTINGS]
     assert positions == sorted(positions)
-    for column in ("rev", "sort", "add", "mean", "TPF", "tokens/s", "NFE"):
+    for column in (*tasks.TASKS, "mean", "TPF", "tokens/s", "NFE"):
         assert column in result.output
 
 
 def test_eval_writes_json_and_a_png(cli_run):
     _, document, png = cli_run
     assert png.startswith(PNG_SIGNATURE)
-    assert document["model"] == "tiny-llada" and document["examples"] == 15
+    assert document["model"] == "tiny-llada" and document["examples"] == 5 * len(tasks.TASKS)
     assert [r["setting"] for r in document["results"]] == list(CLI_SETTINGS)
     for entry in document["results"]:
         assert set(entry) == {"setting", "policy", "exact_match", "mean", "metrics"}
-        assert set(entry["exact_match"]) == {"rev", "sort", "add"}
+        assert set(entry["exact_match"]) == set(tasks.TASKS)
         assert all(0 <= value <= 1 for value in entry["exact_match"].values())
-        assert entry["mean"] == pytest.approx(sum(entry["exact_match"].values()) / 3)
-        assert entry["metrics"]["batch_size"] == 15 and entry["metrics"]["tpf"] > 0
+        assert entry["mean"] == pytest.approx(sum(entry["exact_match"].values()) / len(tasks.TASKS))
+        assert entry["metrics"]["batch_size"] == 5 * len(tasks.TASKS) and entry["metrics"]["tpf"] > 0
     assert document["results"][0]["policy"] == {"name": "threshold", "threshold": 0.9, "confidence": "prob"}
     fixed = document["results"][1]["metrics"]
     assert fixed["tpf"] == 1.0 and fixed["nfe"] == 16  # one token per step, 2 blocks of 8 steps
