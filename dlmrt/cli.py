@@ -439,7 +439,7 @@ def print_update(model, update, batch_size, as_json):
 @click.option("--setting", "setting_specs", multiple=True, metavar="POLICY[:key=value,...]",
               help="A decoding setting, e.g. fixed:steps=8, threshold:threshold=0.9,confidence=margin, "
                    "factor:factor=2, llada2:threshold=0.9,steps=8. Repeat for a grid [default: fixed at 1, "
-                   "1/2 and 1/4 token per step, threshold 0.5-0.99, factor 1, 2, 4].")
+                   "1/2 and 1/4 token per step, threshold 0.5-0.99, factor 1, 2, 4, 8].")
 @eval_decoding_options
 @click.option("--backend", type=click.Choice(("torch", "ort", "trt")), default="torch", show_default=True,
               help="torch: the step loop in PyTorch (see --mode); ort: the exported graphs in ONNX Runtime (--model "

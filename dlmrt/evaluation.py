@@ -39,7 +39,7 @@ SETTING_KEYS: dict[str, dict[str, type]] = {
     "residual": {"threshold": float, "factor": float, "confidence": str},
 }
 DEFAULT_THRESHOLDS = (0.5, 0.7, 0.8, 0.9, 0.95, 0.99)
-DEFAULT_FACTORS = (1, 2, 4)
+DEFAULT_FACTORS = (1, 2, 4, 8)
 JSONL_TASK = "jsonl"
 PLOT_INSTALL_HINT = "the plot needs matplotlib: pip install 'dlmrt[plot]'"
 # Label placement on the plot: a step in points, and a label's rough extent in axes fractions.

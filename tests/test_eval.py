@@ -91,7 +91,7 @@ def test_the_default_grid():
     assert [s.label for s in default_grid(16, 8)] == [
         "fixed:steps=16", "fixed:steps=8", "fixed:steps=4",
         *(f"threshold:threshold={t}" for t in ("0.5", "0.7", "0.8", "0.9", "0.95", "0.99")),
-        "factor:factor=1", "factor:factor=2", "factor:factor=4"]
+        "factor:factor=1", "factor:factor=2", "factor:factor=4", "factor:factor=8"]
     # 8 blocks: 4 steps cannot be spread over them
     assert [s.label for s in default_grid(16, 2) if s.policy.name == "fixed"] == ["fixed:steps=16", "fixed:steps=8"]
 
