@@ -16,6 +16,8 @@ __version__ = "0.1.0"
 
 # The tiny LLaDA-family model trained by scripts/train_tiny.py and shipped with the package.
 TINY_MODEL_DIR = Path(__file__).parent / "assets" / "tiny-llada"
+# Its ORL fine-tune (scripts/train_orl.py): the same model with the residual pathway, trained on-policy.
+TINY_ORL_MODEL_DIR = Path(__file__).parent / "assets" / "tiny-llada-orl"
 
 if TYPE_CHECKING:
     from dlmrt.export.models import Denoiser

@@ -7,7 +7,7 @@ the measurement of ORL's gain (base, control and ORL in one run).
 Every model decodes the same held-out prompts (the task suite's test split, as `dlmrt eval` draws
 them) under every setting of the grid, through `dlmrt.evaluation.evaluate_grid`, the code of `dlmrt
 eval`. The first model is the reference of the matched comparison: TPF at its best exact-match and
-at one point (1%) below it (`dlmrt.orl.comparison`).
+at one point (1%) below it (`dlmrt.orl.comparison`), and at each `--target`.
 """
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ def main() -> int:
     parser.add_argument("--data-seed", type=int, default=1234)
     parser.add_argument("--mode", default="eager", help="the torch backend's mode (eager or compile)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--target", type=float, action="append", default=[], metavar="FRACTION",
+                        help="also compare TPF at this mean exact-match (e.g. 0.99); repeat")
     parser.add_argument("--plot", type=Path, help="write the curves as a PNG")
     parser.add_argument("--json", type=Path, help="write every result as JSON")
     parser.add_argument("--markdown", type=Path, help="write the tables as Markdown")
@@ -67,7 +69,7 @@ def main() -> int:
             def advance(setting, rows, name=name):
                 progress.update(bar, advance=rows, description=f"{name}: {setting.label}")
             curves[name] = evaluation.evaluate_grid(model, examples, base, grid, on_batch=advance, mode=args.mode)
-    levels = comparison.targets(next(iter(curves.values())))
+    levels = [*comparison.targets(next(iter(curves.values()))), *args.target]
     points = comparison.matched(curves, levels)
     console.print(curve_table(curves))
     console.print(matched_table(points, curves))

@@ -1,0 +1,79 @@
+"""The ORL tiny model shipped in dlmrt/assets: a residual model of the tiny model's shape that gives
+the same tokens on every backend and mode, and whose export holds the dlmrt::ResidualContext op."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import dlmrt
+from dlmrt import hashing, tasks
+from dlmrt.runtime import Factor, GenerationSettings, Generator, Residual, Threshold, text
+
+POLICIES = [Residual(Threshold(0.7)), Residual(Threshold(0.9)), Residual(Factor(2.0))]
+
+
+@pytest.fixture(scope="module")
+def orl():
+    return dlmrt.load(dlmrt.TINY_ORL_MODEL_DIR)
+
+
+@pytest.fixture(scope="module")
+def prompts(orl):
+    return [text.encode(orl, e.prompt) for e in tasks.examples("test", 2, seed=11)]
+
+
+@pytest.fixture(scope="module")
+def orl_export(orl, tmp_path_factory):
+    pytest.importorskip("onnxruntime", reason="the ONNX path needs the 'onnx' extra")
+    from dlmrt.export import onnx_export
+
+    return onnx_export.export(orl, tmp_path_factory.mktemp("orl-export") / "orl", max_batch=8, max_length=64)
+
+
+def test_it_is_the_tiny_model_with_a_residual_pathway(orl):
+    base = dlmrt.load()
+    assert orl.residual_config is not None and base.residual_config is None
+    base_names = set(base.state_dict())
+    assert base_names < set(orl.state_dict())
+    assert all("residual_adapter" in name for name in set(orl.state_dict()) - base_names)
+    assert sum(f.stat().st_size for f in dlmrt.TINY_ORL_MODEL_DIR.iterdir()) < 10 * 2**20
+    assert orl.residual_adapter().output_layer().weight.abs().max() > 0  # the adapter was trained
+
+
+def test_its_report_names_the_base_it_started_from_and_its_weights():
+    report = json.loads((dlmrt.TINY_ORL_MODEL_DIR / "training_report.json").read_text())
+    assert report["method"] == "orl" and report["config"]["residual"] is True
+    assert report["base_weights_sha256"] == hashing.sha256_of(dlmrt.TINY_MODEL_DIR / "model.safetensors")
+    assert report["weights_sha256"] == hashing.sha256_of(dlmrt.TINY_ORL_MODEL_DIR / "model.safetensors")
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=str)
+def test_the_torch_modes_and_device_loop_give_the_same_tokens(orl, prompts, policy):
+    expected = Generator(orl, mode="eager").generate(prompts, GenerationSettings(16, 8, policy)).tokens
+    compiled = Generator(orl, mode="compile")
+    for steps_per_sync in (1, 4, 8):
+        settings = GenerationSettings(16, 8, policy, steps_per_sync=steps_per_sync)
+        assert torch.equal(compiled.generate(prompts, settings).tokens, expected), steps_per_sync
+
+
+@pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
+def test_onnx_runtime_gives_the_tokens_of_torch(orl, orl_export, prompts, cache):
+    from dlmrt.runtime.ort_backend import OrtBackend
+
+    ort, eager = Generator(OrtBackend(orl_export)), Generator(orl, mode="eager")
+    for policy in POLICIES:
+        settings = GenerationSettings(16, 8, policy, cache=cache)
+        assert torch.equal(ort.generate(prompts, settings).tokens, eager.generate(prompts, settings).tokens), policy
+
+
+def test_every_exported_graph_holds_the_residual_context_op(orl_export):
+    import onnx
+
+    files = sorted(orl_export.glob("*.onnx"))
+    assert files
+    for path in files:
+        nodes = [n for n in onnx.load(str(path), load_external_data=False).graph.node if n.op_type == "ResidualContext"]
+        assert len(nodes) == 1 and nodes[0].domain == "dlmrt", path.name
