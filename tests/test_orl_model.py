@@ -77,3 +77,28 @@ def test_every_exported_graph_holds_the_residual_context_op(orl_export):
     for path in files:
         nodes = [n for n in onnx.load(str(path), load_external_data=False).graph.node if n.op_type == "ResidualContext"]
         assert len(nodes) == 1 and nodes[0].domain == "dlmrt", path.name
+
+
+@pytest.mark.parametrize("cache", ["none", "dual"])
+def test_the_engines_give_the_tokens_of_torch(orl, orl_export, prompts, cache, tmp_path):
+    """TrtBackend binds z and the certainty like every other buffer: through the recording fake of
+    TensorRT (the engines run the exported graphs), as on a GPU with TensorRT."""
+    from dlmrt.engines import build, targets
+    from dlmrt.engines.plan import make_plan
+    from dlmrt.engines.profiles import DimRange
+    from dlmrt.engines.store import EngineStore
+    from dlmrt.runtime.trt_backend import TrtBackend
+    from fake_tensorrt import FakeTensorRT, engine_builder
+
+    version = "10.13.0"
+    store = EngineStore(tmp_path / "engines")
+    plan = make_plan(orl_export, targets.target_named("sm_90"), "bf16", tensorrt=version, store=store.root,
+                     ranges={"batch": DimRange(1, 4, 8)})
+    build.run(plan, store, device="NVIDIA H200", tensorrt_version=version, engine_builder=engine_builder)
+    trt = FakeTensorRT(version)
+    engines = Generator(TrtBackend(orl_export, store.root, tensorrt=trt, plugins=trt.register_plugins,
+                                   capability=(9, 0), device="cpu"))
+    eager = Generator(orl, mode="eager")
+    for policy in POLICIES:
+        settings = GenerationSettings(16, 8, policy, cache=cache)
+        assert torch.equal(engines.generate(prompts, settings).tokens, eager.generate(prompts, settings).tokens), policy
