@@ -26,11 +26,12 @@ from dlmrt.runtime.ort_backend import OrtBackend  # noqa: E402
 needs_modelopt = pytest.mark.skipif(importlib.util.find_spec("modelopt") is None,
                                     reason="FP8 quantization needs nvidia-modelopt: pip install 'dlmrt[quant]'")
 CALIBRATION_COUNT = 8
-# Measured on the tiny model (32 calibration steps a graph, max calibration; 48 test prompts; fixed
-# and threshold policies; no cache and dual cache): 99.87% to 100% of the tokens equal fp32's,
-# exact-match 0 to 2.1 points below fp32's 97.9%. A broken FP8 graph (an infinite scale on the
-# attention mask) gave 73% and 0%.
-MIN_AGREEMENT = 0.99
+# Measured on the tiny model as retrained with the `same` task (8 calibration steps a graph, max
+# calibration; 64 test prompts; fixed and threshold policies; no cache and dual cache): 97.85% to
+# 98.05% of the tokens equal fp32's, exact-match 0 to 1.6 points below fp32's 98.4%. (The earlier
+# three-task model gave 99.87% to 100%.) A broken FP8 graph (an infinite scale on the attention mask)
+# gave 73% and 0%.
+MIN_AGREEMENT = 0.97
 MAX_EXACT_MATCH_DROP = 0.07
 
 
