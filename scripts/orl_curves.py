@@ -103,24 +103,34 @@ def curve_table(curves) -> Table:
     return table
 
 
-def matched_table(points, curves) -> Table:
-    reference = next(iter(curves))
-    table = Table(title=f"TPF at matched exact-match (targets from {reference})")
-    table.add_column("target exact-match")
-    for name in curves:
-        table.add_column(name, justify="right")
+def matched_rows(points, names: list[str], code: str = "") -> list[tuple[str, list[str]]]:
+    """Each target's label and one cell per model: TPF, its ratio to the first model's, the setting
+    (between `code` marks)."""
+    reference = names[0]
+    rows = []
     for target in dict.fromkeys(p.target for p in points):
         row = {p.model: p for p in points if p.target == target}
-        base_tpf = row[reference].tpf
         cells = []
-        for name in curves:
+        for name in names:
             point = row[name]
             if point.tpf is None:
                 cells.append("not reached")
-                continue
-            ratio = f" ({point.tpf / base_tpf:.2f}x)" if base_tpf and name != reference else ""
-            cells.append(f"{point.tpf:.2f}{ratio} at {point.setting}")
-        table.add_row(f">= {target:.1%}", *cells)
+            elif name == reference or not row[reference].tpf:
+                cells.append(f"{point.tpf:.2f} ({code}{point.setting}{code})")
+            else:
+                cells.append(f"{point.tpf:.2f}, {point.tpf / row[reference].tpf:.2f}x ({code}{point.setting}{code})")
+        rows.append((f">= {target:.1%}", cells))
+    return rows
+
+
+def matched_table(points, curves) -> Table:
+    names = list(curves)
+    table = Table(title=f"TPF at matched exact-match (targets from {names[0]})")
+    table.add_column("target exact-match")
+    for name in names:
+        table.add_column(name, justify="right")
+    for label, cells in matched_rows(points, names):
+        table.add_row(label, *cells)
     return table
 
 
@@ -132,19 +142,7 @@ def markdown(curves, points) -> str:
         cells = " | ".join(f"{r[index].score.mean:.1%} | {r[index].score.metrics.tpf:.2f}" for r in curves.values())
         lines.append(f"| `{result.setting.label}` | {cells} |")
     lines += ["", "| target exact-match | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
-    reference = names[0]
-    for target in dict.fromkeys(p.target for p in points):
-        row = {p.model: p for p in points if p.target == target}
-        cells = []
-        for name in names:
-            point = row[name]
-            if point.tpf is None:
-                cells.append("not reached")
-            elif name == reference or not row[reference].tpf:
-                cells.append(f"{point.tpf:.2f} (`{point.setting}`)")
-            else:
-                cells.append(f"{point.tpf:.2f}, {point.tpf / row[reference].tpf:.2f}x (`{point.setting}`)")
-        lines.append(f"| >= {target:.1%} | " + " | ".join(cells) + " |")
+    lines += [f"| {label} | " + " | ".join(cells) + " |" for label, cells in matched_rows(points, names, "`")]
     return "\n".join(lines) + "\n"
 
 

@@ -27,10 +27,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from dlmrt import atomic, hashing, tasks
+from dlmrt import atomic, tasks
 from dlmrt.errors import DlmrtError
 from dlmrt.evaluation import exact_match
-from dlmrt.orl.trainer import Run, TrainingConfig
+from dlmrt.orl.trainer import Run, TrainingConfig, weights_sha256
 from dlmrt.runtime import Fixed
 
 HELD_OUT_SEED = 1234
@@ -105,7 +105,7 @@ def main() -> int:
         "held_out_exact_match": held_out(run, config, args.eval_per_task),
     }
     run.save(with_state=False)
-    report["weights_sha256"] = hashing.sha256_of(args.out / "model.safetensors")
+    report["weights_sha256"] = weights_sha256(args.out)
     atomic.write_text(args.out / "training_report.json", json.dumps(report, indent=2) + "\n")
     show(console, report)
     return 0

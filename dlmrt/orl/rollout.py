@@ -9,7 +9,7 @@ Each kept state also carries the source entropy of the adjacent-entropy-contract
 position, the entropy of the prediction the row's previous step made there (NaN before a row's first
 step). For an ORL model that is the step whose `z` this step consumed.
 
-Rollouts run on one fixed bucket (`canvas` x `batch`): extra left padding and padded rows are inert
+Rollouts run on one fixed bucket (canvas x `batch`): extra left padding and padded rows are inert
 (`dlmrt.runtime.device_state`), so every state has the same shape and batches of states stack.
 `ignore_eos` keeps every row in its bucket row until the end, which is what ties a recorded row to
 its prompt.
@@ -18,13 +18,14 @@ its prompt.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 from torch import Tensor
 
 from dlmrt.export.models import Denoiser, Residual
 from dlmrt.runtime import GenerationSettings, Generator, text
+from dlmrt.runtime import layout as layouts
 from dlmrt.runtime.torch_backend import TorchBackend
 from dlmrt.tasks import Example, is_correct
 
@@ -69,7 +70,10 @@ def entropy(logits: Tensor) -> Tensor:
 
 
 class _Recorder:
-    """The backend's `observe` callback: keeps each step's inputs and the entropy of its prediction."""
+    """The backend's `observe` callback: keeps each step's inputs and the entropy of its prediction.
+
+    It runs its own forward for that entropy: the step graph returns logits for the block only (the
+    next block's first step needs what was predicted there) and a certainty for ORL models only."""
 
     def __init__(self, model: Denoiser):
         self.model = model
@@ -88,27 +92,33 @@ class _Recorder:
         self.steps.append(step)
 
 
-def rollout(model: Denoiser, examples: Sequence[Example], settings: GenerationSettings, *, canvas: int,
-            batch: int) -> RolloutResult:
-    """Decode `examples` (at most `batch` at a time) with `settings` and keep the verified rows' states."""
-    chunks, right, tpf_weighted, forwards = [], 0, 0.0, 0
-    settings = GenerationSettings(**{**{f.name: getattr(settings, f.name) for f in fields(settings)},
-                                     "ignore_eos": True})
+def rollout(model: Denoiser, examples: Sequence[Example], settings: GenerationSettings, *, batch: int,
+            canvas: int | None = None) -> RolloutResult:
+    """Decode `examples` (at most `batch` at a time) with `settings` and keep the verified rows' states,
+    all on one canvas of `canvas` positions (default: the fewest whole blocks that hold every prompt)."""
+    settings = replace(settings, ignore_eos=True)
+    prompts = [text.encode(model, e.prompt) for e in examples]
+    if canvas is None:
+        needed = layouts.canvas_length(prompts, settings.gen_length, settings.block_length,
+                                       block_causal=model.block_causal)
+        canvas = -(-needed // settings.block_length) * settings.block_length
+    recorder = _Recorder(model)
+    generator = Generator(TorchBackend(model, mode="eager", batch_sizes=(batch,), canvas_lengths=(canvas,),
+                                       max_batch=batch, max_length=canvas, observe=recorder))
+    chunks, right, generated, forwards = [], 0, 0, 0
     for start in range(0, len(examples), batch):
-        part = examples[start:start + batch]
-        recorder = _Recorder(model)
-        backend = TorchBackend(model, mode="eager", batch_sizes=(batch,), canvas_lengths=(canvas,),
-                               max_batch=batch, max_length=canvas, observe=recorder)
-        result = Generator(backend).generate([text.encode(model, e.prompt) for e in part], settings)
+        recorder.steps = []
+        result = generator.generate(prompts[start:start + batch], settings)
         outputs = [row.token_ids for row in result.rows]
-        verified = torch.tensor([is_correct(e, text.decode(model, ids)) for e, ids in zip(part, outputs)])
+        verified = torch.tensor([is_correct(e, text.decode(model, ids))
+                                 for e, ids in zip(examples[start:start + batch], outputs)])
         right += int(verified.sum())
-        tpf_weighted += result.metrics.generated_tokens
+        generated += result.metrics.generated_tokens
         forwards += result.metrics.sequence_forwards
         chunks.append(_states(model, recorder.steps, outputs, verified, settings.gen_length))
     states = States(**{f.name: None if getattr(chunks[0], f.name) is None
                        else torch.cat([getattr(c, f.name) for c in chunks]) for f in fields(States)})
-    return RolloutResult(states, right / len(examples), tpf_weighted / max(forwards, 1))
+    return RolloutResult(states, right / len(examples), generated / max(forwards, 1))
 
 
 def _states(model: Denoiser, steps: list[dict[str, Tensor]], outputs: Sequence[Sequence[int]], verified: Tensor,
@@ -122,22 +132,17 @@ def _states(model: Denoiser, steps: list[dict[str, Tensor]], outputs: Sequence[S
         if verified[row]:
             targets[row, canvas - gen_length:] = torch.tensor([*output, *[eos_id] * (gen_length - len(output))])
     previous = torch.full((rows, canvas), float("nan"))
-    kept: dict[str, list[Tensor]] = {name: [] for name in ("ids", "positions", "key_mask", "block", "source",
-                                                           "targets", "z", "certainty")}
+    kept: dict[str, list[Tensor]] = {f.name: [] for f in fields(States)}
     for step in steps:
         ids = step["ids"][:rows]
         block = step["block_index"].expand(rows, -1)
         active = (ids.gather(1, block) == mask_id).any(1)
         keep = active & verified
-        for name, value in (("ids", ids), ("positions", step["positions"][:rows]),
-                            ("key_mask", step["key_mask"][:rows]), ("block", block), ("source", previous),
-                            ("targets", targets)):
-            kept[name].append(value[keep])
+        recorded = {"ids": ids, "positions": step["positions"][:rows], "key_mask": step["key_mask"][:rows],
+                    "block": block, "source_entropy": previous, "targets": targets}
         if "z" in step:
-            kept["z"].append(step["z"][:rows][keep])
-            kept["certainty"].append(step["certainty"][:rows][keep])
+            recorded.update(z=step["z"][:rows], certainty=step["certainty"][:rows])
+        for name, value in recorded.items():
+            kept[name].append(value[keep])
         previous = torch.where(active[:, None], step["entropy"][:rows], previous)
-    stacked = {name: torch.cat(values) if values else None for name, values in kept.items()}
-    return States(ids=stacked["ids"], positions=stacked["positions"], key_mask=stacked["key_mask"],
-                  block=stacked["block"], source_entropy=stacked["source"], targets=stacked["targets"],
-                  z=stacked["z"], certainty=stacked["certainty"])
+    return States(**{name: torch.cat(values) if values else None for name, values in kept.items()})

@@ -19,7 +19,7 @@ import hashlib
 import json
 import math
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -36,7 +36,7 @@ from dlmrt.export import checkpoint, models
 from dlmrt.export.models import Denoiser
 from dlmrt.export.models import residual as residual_context
 from dlmrt.orl.objective import orl_loss
-from dlmrt.orl.rollout import RolloutResult, rollout
+from dlmrt.orl.rollout import rollout
 from dlmrt.runtime import GenerationSettings
 
 STATE_TENSORS = "training_state.safetensors"
@@ -145,7 +145,7 @@ class Run:
     def start(cls, base: Path, config: TrainingConfig, out: Path) -> Run:
         config.check()
         model = start_model(base, config)
-        return cls(model, config, out, _weights_sha256(base))
+        return cls(model, config, out, weights_sha256(base))
 
     @classmethod
     def resume(cls, out: Path, config: TrainingConfig) -> Run:
@@ -195,7 +195,7 @@ class Run:
         config = self.config
         examples = [tasks.sample(self.prompt_rng.choice(config.tasks), "train", self.prompt_rng)
                     for _ in range(config.prompts)]
-        result = self._rollout(examples)
+        result = rollout(self.model, examples, config.settings(), batch=config.rollout_batch)
         states = result.states
         sums = [0.0, 0.0, 0.0]
         self.model.train()
@@ -215,12 +215,6 @@ class Run:
         means = [s / config.updates for s in sums] if len(states) else [math.nan] * 3
         return IterationRecord(self.iteration, result.exact_match, result.tpf, len(states), *means)
 
-    def _rollout(self, examples: Sequence[tasks.Example]) -> RolloutResult:
-        config = self.config
-        prompt_length = max(len(e.prompt) for e in examples)
-        canvas = -(-(prompt_length + config.gen_length) // config.block_length) * config.block_length
-        return rollout(self.model, examples, config.settings(), canvas=canvas, batch=config.rollout_batch)
-
     def save(self, *, with_state: bool = True) -> None:
         """The model and (unless `with_state` is False) its training state, in one atomic write."""
         files = {}
@@ -239,7 +233,7 @@ class Run:
         self.model.train(was_training)
 
 
-def _weights_sha256(root: Path) -> str:
+def weights_sha256(root: Path) -> str:
     """One hash of a checkpoint's weight files (sha256 of their sha256s, in name order)."""
     files = sorted(set(checkpoint.tensor_files(root).values()))
     if len(files) == 1:
