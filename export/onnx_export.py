@@ -41,7 +41,7 @@ from dlmrt.plugins.residual_context import onnx_function as residual_function
 DEFAULT_OPSET = 18
 # Beyond this, weights go to external data files (protobuf caps a file at 2 GiB).
 EXTERNAL_DATA_BYTES = 1 << 30
-EXPORTABLE_FAMILIES = ("llada", "llada2_moe")
+EXPORTABLE_FAMILIES = ("llada", "llada2_moe", "Dream", "sdar")
 # The dlmrt custom ops a step graph may hold, by (domain, op_type): their onnx_function modules.
 CUSTOM_OPS = {(f.DOMAIN, f.OP_TYPE): f for f in (onnx_function, residual_function)}
 

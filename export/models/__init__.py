@@ -16,7 +16,7 @@ from torch import nn
 
 from dlmrt import limits
 from dlmrt.errors import CheckpointError, UnsupportedFeatureError
-from dlmrt.export.models import llada, llada2_moe, residual
+from dlmrt.export.models import dream, llada, llada2_moe, residual, sdar
 from dlmrt.export.models.denoiser import Denoiser, DenoiserOutput, PastKV, SpecialTokens
 from dlmrt.export.models.layers import RMSNorm
 from dlmrt.export.models.residual import Residual
@@ -38,6 +38,8 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("llada", "LLaDAModelLM", llada.parse_config, llada.LLaDA, llada.parameter_count),
     Family("llada2_moe", "LLaDA2MoeModelLM", llada2_moe.parse_config, llada2_moe.LLaDA2Moe,
            llada2_moe.parameter_count),
+    Family("Dream", "DreamModel", dream.parse_config, dream.Dream, dream.parameter_count),
+    Family("sdar", "SDARForCausalLM", sdar.parse_config, sdar.SDAR, sdar.parameter_count),
 )}
 
 

@@ -51,6 +51,9 @@ class Denoiser(nn.Module, ABC):
     default_block_length: ClassVar[int | None] = None
     # Whether the family implements the ORL residual pathway (`residual_adapter` and the mix).
     supports_residual_context: ClassVar[bool] = True
+    # How many positions before its own a position's raw logits sit (the family's `denoise` undoes
+    # it): with a cached prefix, a window then needs this many positions of look-behind.
+    logits_shift: ClassVar[int] = 0
 
     def __init__(self, config: Any, residual_config: ResidualConfig | None, tokens: SpecialTokens | None):
         super().__init__()
