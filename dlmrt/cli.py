@@ -26,7 +26,8 @@ if TYPE_CHECKING:
 
 DTYPE_CHOICES = ("float32", "bfloat16", "float16", "fp32", "bf16", "fp16", "auto")
 # Kept here (not imported from dlmrt.runtime) so that `dlmrt --help` does not import torch.
-POLICY_NAMES = ("fixed", "threshold", "factor", "llada2", "residual")
+POLICY_NAMES = ("fixed", "threshold", "factor", "llada2", "llada21", "residual")
+LLADA21_PRESET_NAMES = ("quality", "speed")
 CACHE_NAMES = ("none", "prefix", "dual")
 MODE_NAMES = ("auto", "eager", "compile", "cudagraph")
 
@@ -83,7 +84,7 @@ DECODING_OPTIONS = {
     "threshold": click.option(
         "--threshold", type=FLOAT32, default=None,
         help="threshold, residual: commit every position at least this confident [default: 0.9]; "
-             "llada2: strictly above [default: 0.95]."),
+             "llada2, llada21: strictly above [default: 0.95]."),
     "factor": click.option(
         "--factor", type=FLOAT32, default=None, help="factor, residual: Fast-dLLM's factor rule [default: 1.0]."),
     "confidence": click.option(
@@ -92,6 +93,17 @@ DECODING_OPTIONS = {
     "minimal_topk": click.option(
         "--minimal-topk", type=LENGTH, default=1, show_default=True,
         help="llada2: caps its steps per block at gen-length // minimal-topk."),
+    "editing_threshold": click.option(
+        "--editing-threshold", type=FLOAT32, default=None,
+        help="llada21: overwrite a generated token of the block whose argmax differs, when its probability is "
+             "strictly above this; 1 turns editing off [default: 0.9]."),
+    "max_post_steps": click.option(
+        "--max-post-steps", type=int, default=None,
+        help="llada21: editing-only steps a block may take once it has no mask [default: 16]."),
+    "preset": click.option(
+        "--preset", type=click.Choice(LLADA21_PRESET_NAMES), default=None,
+        help="llada21: LLaDA2.1's modes, quality (threshold 0.7, editing 0.5, 16 post steps) or speed "
+             "(threshold 0.5, editing off); explicit options override them."),
     "cache": click.option(
         "--cache", type=click.Choice(CACHE_NAMES), default="none", show_default=True,
         help="K/V cache: none, prefix (the exact block cache for block-causal models) or dual."),
@@ -225,8 +237,8 @@ def lengths_from_options(model, gen_length: int | None, block_length: int | None
 
 
 def settings_from_options(model, *, gen_length, block_length, policy, steps, remasking, threshold, factor,
-                          confidence, minimal_topk, cache, max_block_steps, temperature, cfg_scale, seed,
-                          steps_per_sync, ignore_eos=False):
+                          confidence, minimal_topk, editing_threshold, max_post_steps, preset, cache, max_block_steps,
+                          temperature, cfg_scale, seed, steps_per_sync, ignore_eos=False):
     """GenerationSettings from the decoding options, with defaults from the model."""
     from dlmrt.runtime import GenerationSettings, make_policy
 
@@ -234,7 +246,8 @@ def settings_from_options(model, *, gen_length, block_length, policy, steps, rem
     if policy is None:
         policy = "llada2" if model.block_causal else "fixed"
     chosen = make_policy(policy, steps=steps, remasking=remasking, threshold=threshold, factor=factor,
-                         confidence=confidence, minimal_topk=minimal_topk)
+                         confidence=confidence, minimal_topk=minimal_topk, editing_threshold=editing_threshold,
+                         max_post_steps=max_post_steps, preset=preset)
     return GenerationSettings(gen_length=gen_length, block_length=block_length, policy=chosen,
                               temperature=temperature, cfg_scale=cfg_scale, seed=seed, cache=cache,
                               ignore_eos=ignore_eos, max_block_steps=max_block_steps,

@@ -36,6 +36,8 @@ SETTING_KEYS: dict[str, dict[str, type]] = {
     "threshold": {"threshold": float, "confidence": str},
     "factor": {"factor": float, "confidence": str},
     "llada2": {"threshold": float, "steps": int, "minimal_topk": int, "confidence": str},
+    "llada21": {"threshold": float, "editing_threshold": float, "max_post_steps": int, "preset": str},
+    "dream": {"steps": int, "confidence": str},
     "residual": {"threshold": float, "factor": float, "confidence": str},
 }
 DEFAULT_THRESHOLDS = (0.5, 0.7, 0.8, 0.9, 0.95, 0.99)

@@ -16,7 +16,8 @@ from dlmrt.plugins.residual_context import onnx_function as residual_context
 class PluginSpec:
     name: str  # the node's op type
     namespace: str  # the node's plugin_namespace (its domain)
-    version: str
+    version: str  # the op's interface version, which plans and manifests record
+    registry_version: str  # the node's plugin_version: the version TensorRT's plugin registry knows it by
     fields: dict[str, int]  # attribute name -> onnx.AttributeProto type, beside namespace and version
     inputs: int
     outputs: int
@@ -31,8 +32,8 @@ class PluginSpec:
 
 
 def _spec(module, fields: dict[str, int]) -> PluginSpec:
-    return PluginSpec(module.OP_TYPE, module.DOMAIN, module.PLUGIN_VERSION, fields, len(module.INPUTS),
-                      len(module.OUTPUTS))
+    return PluginSpec(module.OP_TYPE, module.DOMAIN, module.PLUGIN_VERSION, module.TENSORRT_PLUGIN_VERSION, fields,
+                      len(module.INPUTS), len(module.OUTPUTS))
 
 
 KNOWN: dict[tuple[str, str], PluginSpec] = {spec.key: spec for spec in (

@@ -134,9 +134,9 @@ def _plugin_node(node: onnx.NodeProto, plugin: PluginSpec):
     if string("plugin_namespace") != plugin.namespace:
         yield (f"plugin_namespace is {string('plugin_namespace')!r}, the registered plugin's is "
                f"{plugin.namespace!r}: the parser would not find the plugin")
-    if string("plugin_version") != plugin.version:
+    if string("plugin_version") != plugin.registry_version:
         yield (f"plugin_version is {string('plugin_version')!r}, the registered plugin is version "
-               f"{plugin.version!r}: re-export with this dlmrt")
+               f"{plugin.registry_version!r}: re-export with this dlmrt")
     for name, kind in plugin.fields.items():
         if name not in attributes:
             yield f"lacks the plugin field {name!r}"
@@ -144,8 +144,8 @@ def _plugin_node(node: onnx.NodeProto, plugin: PluginSpec):
             kind_name = onnx.AttributeProto.AttributeType.Name(attributes[name].type)
             yield f"plugin field {name!r} has the wrong type ({kind_name})"
     if (len(node.input), len(node.output)) != (plugin.inputs, plugin.outputs):
-        yield (f"has {len(node.input)} inputs and {len(node.output)} outputs, the plugin takes {plugin.inputs} "
-               f"and {plugin.outputs}")
+        yield (f"has {len(node.input)} inputs and {len(node.output)} outputs, the plugin (v{plugin.version}) takes "
+               f"{plugin.inputs} and {plugin.outputs}: an export made by another dlmrt; re-export with this one")
 
 
 def _constants(model: onnx.ModelProto) -> dict[str, np.ndarray]:

@@ -22,7 +22,7 @@ from typing import Any
 from dlmrt import atomic, json_files
 from dlmrt.errors import CheckpointError
 from dlmrt.export.models.denoiser import SpecialTokens
-from dlmrt.export.step_graph import GRAPHS, GUIDED_GRAPHS
+from dlmrt.export.step_graph import EDITING_INPUTS, GRAPHS, GUIDED_GRAPHS
 from dlmrt.hashing import sha256_of
 
 MANIFEST_FILE = "dlmrt.json"
@@ -196,6 +196,12 @@ class ExportManifest:
     @property
     def supports_guidance(self) -> bool:
         return all(graph in self.graphs for graph in GUIDED_GRAPHS)
+
+    @property
+    def supports_editing(self) -> bool:
+        """Whether the graphs take token editing's inputs (ParallelUnmask v2): exports made before
+        it run every other policy as they are."""
+        return all({c.name for c in entry.inputs} >= set(EDITING_INPUTS) for entry in self.graphs.values())
 
     def with_files(self, export_dir: str | Path, **changes) -> ExportManifest:
         """A copy with `changes`, its file hashes taken afresh from `export_dir`."""

@@ -79,6 +79,8 @@ def _example_inputs(model: Denoiser, graph: str, batch: int = EXAMPLE_BATCH, win
         "seed": torch.zeros(batch, **long),
         "step": torch.zeros(batch, **long),
         "measure": torch.full((batch,), MEASURE_CODES["prob"], **long),
+        "edit_threshold": torch.full((batch,), 0.9, device=device),
+        "prompt_lengths": torch.full((batch,), 2, **long),
     }
     rows = 2 * batch if graph.endswith("_guided") else batch  # the model's rows
     if graph.startswith("cached"):
@@ -90,7 +92,6 @@ def _example_inputs(model: Denoiser, graph: str, batch: int = EXAMPLE_BATCH, win
         values["z"] = torch.zeros(rows, window, model.hidden_size, dtype=dtype, device=device)
         values["certainty"] = torch.zeros(rows, window, dtype=dtype, device=device)
     if graph.endswith("_guided"):
-        values["prompt_lengths"] = torch.full((batch,), 2, **long)
         values["cfg_scale"] = torch.ones(1, device=device)
     return values
 
@@ -122,7 +123,7 @@ def attach_custom_op(model: onnx.ModelProto) -> onnx.ModelProto:
             continue
         used.add(op)
         present = {a.name for a in node.attribute}
-        for name, value in (("plugin_namespace", op.DOMAIN), ("plugin_version", op.PLUGIN_VERSION)):
+        for name, value in (("plugin_namespace", op.DOMAIN), ("plugin_version", op.TENSORRT_PLUGIN_VERSION)):
             if name not in present:
                 node.attribute.append(onnx.helper.make_attribute(name, value))
     known = {(f.domain, f.name) for f in model.functions}

@@ -15,10 +15,15 @@ The same module is the step of every torch path (eager, compiled, captured into 
 the op's torch reference rather than the opaque custom op, so that torch.compile sees through it, and
 three static options drop work a step does not need: `return_kv=False` (a step that writes no cache;
 its `kv` output is None), `sampling=False` (every temperature is 0: no noise is drawn, and no host
-read asks) and `confidence` (every row uses this measure, so the others are not computed). Exports
-always return the K/V and take every temperature and measure as inputs. `unmask="triton"` runs the
-op's Triton kernels instead of its torch reference (same semantics; CUDA tensors, or CPU tensors
-under TRITON_INTERPRET=1).
+read asks), `confidence` (every row uses this measure, so the others are not computed) and
+`editing=False` (no row edits committed tokens, so the edit pass is skipped). Exports always return
+the K/V and take every temperature, measure and editing threshold as inputs.
+
+Token editing (LLaDA2.1) may overwrite the block's committed positions that are neither prompt nor
+padding: the graph derives them from the window's key mask, positions and each row's prompt length.
+
+`unmask="triton"` runs the op's Triton kernels instead of its torch reference (same semantics; CUDA
+tensors, or CPU tensors under TRITON_INTERPRET=1).
 
 With classifier-free guidance (`full_guided`, `cached_guided`) the graph also takes each row's
 prompt length and the scale, runs the prompt-masked copy of every row beside it (the model's K/V,
@@ -35,13 +40,15 @@ from dlmrt.errors import ArgumentError
 from dlmrt.export.models import Denoiser
 from dlmrt.export.models.denoiser import PastKV
 from dlmrt.export.models.residual import Residual
-from dlmrt.plugins.parallel_unmask import UnmaskParams, parallel_unmask
+from dlmrt.plugins.parallel_unmask import EditParams, UnmaskParams, parallel_unmask
 from dlmrt.plugins.parallel_unmask import torch_op  # noqa: F401  (registers torch.ops.dlmrt.parallel_unmask)
 
 GRAPHS = ("full", "cached")
 UNMASK_KERNELS = ("torch", "triton")
 GUIDED_GRAPHS = ("full_guided", "cached_guided")
 POLICY_INPUTS = ("count", "threshold", "factor", "temperature", "seed", "step", "measure")
+# The inputs of token editing (ParallelUnmask v2); exports made before it lack them.
+EDITING_INPUTS = ("edit_threshold", "prompt_lengths")
 
 
 def check_unmask(unmask: str) -> None:
@@ -54,13 +61,13 @@ def graph_name(cached: bool, guided: bool) -> str:
 
 
 def input_names(graph: str, residual: bool) -> list[str]:
-    names = ["ids", "positions", "key_mask", "block_index", *POLICY_INPUTS]
+    names = ["ids", "positions", "key_mask", "block_index", *POLICY_INPUTS, *EDITING_INPUTS]
     if graph.startswith("cached"):
         names += ["past_kv", "past_positions", "past_key_mask"]
     if residual:
         names += ["z", "certainty"]
     if graph.endswith("_guided"):
-        names += ["prompt_lengths", "cfg_scale"]
+        names += ["cfg_scale"]
     return names
 
 
@@ -70,12 +77,13 @@ def output_names(residual: bool) -> list[str]:
 
 class StepGraph(nn.Module):
     def __init__(self, model: Denoiser, graph: str, grid: int | None, *, return_kv: bool = True,
-                 sampling: bool | None = None, confidence: str | None = None, unmask: str = "torch"):
+                 sampling: bool | None = None, confidence: str | None = None, editing: bool = True,
+                 unmask: str = "torch"):
         super().__init__()
         self.model, self.grid = model, grid
         self.cached, self.guided = graph.startswith("cached"), graph.endswith("_guided")
         self.residual = model.residual_config is not None
-        self.return_kv, self.sampling, self.confidence = return_kv, sampling, confidence
+        self.return_kv, self.sampling, self.confidence, self.editing = return_kv, sampling, confidence, editing
         check_unmask(unmask)
         self.triton_kernels = None
         if unmask == "triton":
@@ -85,11 +93,12 @@ class StepGraph(nn.Module):
 
     def forward(self, ids: Tensor, positions: Tensor, key_mask: Tensor, block_index: Tensor, count: Tensor,
                 threshold: Tensor, factor: Tensor, temperature: Tensor, seed: Tensor, step: Tensor,
-                measure: Tensor, past_kv: Tensor | None = None, past_positions: Tensor | None = None,
-                past_key_mask: Tensor | None = None, z: Tensor | None = None, certainty: Tensor | None = None,
-                prompt_lengths: Tensor | None = None, cfg_scale: Tensor | None = None) -> tuple[Tensor, ...]:
+                measure: Tensor, edit_threshold: Tensor, prompt_lengths: Tensor, past_kv: Tensor | None = None,
+                past_positions: Tensor | None = None, past_key_mask: Tensor | None = None, z: Tensor | None = None,
+                certainty: Tensor | None = None, cfg_scale: Tensor | None = None) -> tuple[Tensor, ...]:
         mask_id = self.model.tokens.mask_id
         model_ids, model_positions = ids, positions
+        block_key_mask = key_mask.index_select(1, block_index)
         if self.cached:
             key_mask = torch.cat((past_key_mask, key_mask), dim=1)
         if self.guided:
@@ -109,12 +118,16 @@ class StepGraph(nn.Module):
             logits = uncond + (cfg_scale + 1) * (cond - uncond)
         block_ids, block_positions = ids.index_select(1, block_index), positions.index_select(1, block_index)
         params = UnmaskParams(count, threshold, factor, temperature, seed, step)
+        edits = EditParams(edit_threshold, block_key_mask & (block_positions >= prompt_lengths[:, None]))
         if exporting:
-            unmasked = torch.ops.dlmrt.parallel_unmask(logits, block_ids, block_positions, *params, measure, mask_id)
+            unmasked = torch.ops.dlmrt.parallel_unmask(logits, block_ids, block_positions, *params, measure, *edits,
+                                                       mask_id)
         elif self.triton_kernels is not None:
-            unmasked = self.triton_kernels.parallel_unmask(logits, block_ids, block_positions, params, mask_id, measure)
+            unmasked = self.triton_kernels.parallel_unmask(logits, block_ids, block_positions, params, mask_id, measure,
+                                                           edits=edits if self.editing else None)
         else:
             unmasked = parallel_unmask(logits, block_ids, block_positions, params, mask_id=mask_id,
-                                       confidence=self.confidence or measure, sampling=self.sampling)
+                                       confidence=self.confidence or measure, sampling=self.sampling,
+                                       edits=edits if self.editing else None)
         extra = (out.residual.z, out.residual.certainty) if self.residual else ()
         return (*unmasked, out.kv, *extra)

@@ -35,6 +35,7 @@ def sample_feeds(model: Denoiser, graph: str, *, batch: int = 2, window: int = 1
         "threshold": torch.rand(batch, generator=generator), "factor": torch.rand(batch, generator=generator),
         "temperature": torch.tensor([0.0, 0.7] * batch)[:batch], "seed": torch.arange(batch),
         "step": torch.full((batch,), 3), "measure": torch.arange(batch) % len(MEASURE_CODES),
+        "edit_threshold": torch.tensor([0.3, float("inf")] * batch)[:batch],
         "past_kv": torch.randn(model.num_layers, 2, rows, model.num_kv_heads, prefix, model.head_dim,
                                generator=generator),
         "past_positions": torch.arange(prefix).repeat(batch, 1),

@@ -49,10 +49,14 @@ class ModelSpec:
     limits_hint: str = ""
     block_grid: int | None = None  # the block-causal grid a compiled graph was built with
     supports_guidance: bool = True
+    supports_editing: bool = True  # the graphs take token editing's inputs (exports before it do not)
+    logits_shift: int = 0  # Denoiser.logits_shift: a window over a cache starts this many positions early
 
     @classmethod
     def of_export(cls, manifest: ExportManifest, export_dir: Path, device: torch.device) -> ModelSpec:
         """The spec of the graphs in an export directory, from its manifest alone."""
+        from dlmrt.export.models import FAMILIES
+
         model, tokens = manifest.model, manifest.tokens
         return cls(
             name=model.name, vocab_size=model.vocab_size, hidden_size=model.hidden_size,
@@ -61,7 +65,9 @@ class ModelSpec:
             pad_id=tokens.pad_id, block_causal=model.block_causal, has_residual=model.residual,
             dtype=getattr(torch, model.dtype), device=device,
             limits_hint=f"re-export with `dlmrt export ... -o {export_dir} --max-batch B --max-length N`",
-            block_grid=model.block_grid, supports_guidance=manifest.supports_guidance)
+            block_grid=model.block_grid, supports_guidance=manifest.supports_guidance,
+            supports_editing=manifest.supports_editing,
+            logits_shift=FAMILIES[model.model_type].model_class.logits_shift)
 
 
 class Backend(ABC):

@@ -127,13 +127,21 @@ class DeviceState:
     seed: Tensor  # [B] int64
     step: Tensor  # [B] int64: steps that did work for the row (its random stream)
     measure: Tensor  # [B] int64
+    # token editing (LLaDA2.1): the threshold (inf: the row does not edit; None: the graphs predate
+    # editing), the editing-only steps a row may take once its block has no mask, those it has left
+    # in the current block, and the tokens it has overwritten
+    max_post_steps: Tensor  # [B] int64
+    post_steps: Tensor  # [B] int64
+    edits: Tensor  # [B] int64
     schedule: Tensor  # [B, block] int64: the current block's minimum commits at each of its steps
     block_start: Tensor  # [] int64: canvas index of the current block
     block_step: Tensor  # [B] int64: steps taken in the current block
     cfg_scale: Tensor  # [1] float32
-    # [B + 1] int64: masked positions left in each row's block, then the forwards that did work
+    # [B + 1] int64: each row's work left in its block (its masked positions, or 1 while it may still
+    # take an editing-only step), then the forwards that did work
     status: Tensor
     block_index: Tensor  # [block] int64 scratch: the block's indices inside the step's window
+    edit_threshold: Tensor | None = None  # [B] float32
     z: Tensor | None = None  # [B', L, H] ORL residual
     certainty: Tensor | None = None  # [B', L]
     kv: Tensor | None = None  # [layers, 2, B', kv heads, L, head dim]
@@ -166,10 +174,14 @@ class DeviceState:
             prompt_lengths=torch.zeros(rows, **long), count=torch.zeros(rows, **long),
             threshold=torch.zeros(rows, **real), factor=torch.zeros(rows, **real),
             temperature=torch.zeros(rows, **real), seed=torch.zeros(rows, **long), step=torch.zeros(rows, **long),
-            measure=torch.zeros(rows, **long), schedule=torch.zeros(rows, bucket.block, **long),
+            measure=torch.zeros(rows, **long), max_post_steps=torch.zeros(rows, **long),
+            post_steps=torch.zeros(rows, **long), edits=torch.zeros(rows, **long),
+            schedule=torch.zeros(rows, bucket.block, **long),
             block_start=torch.zeros((), **long), block_step=torch.zeros(rows, **long),
             cfg_scale=torch.zeros(1, **real), status=torch.zeros(rows + 1, **long),
             block_index=torch.zeros(bucket.block, **long))
+        if spec.supports_editing:
+            state.edit_threshold = torch.full((rows,), float("inf"), **real)
         model_rows = bucket.model_rows
         if spec.has_residual:
             state.z = torch.zeros(model_rows, length, spec.hidden_size, dtype=spec.dtype, device=device)
@@ -216,8 +228,9 @@ class DeviceState:
             raise ValueError(f"a layout of {rows} x {length} does not fit the bucket {self.bucket}")
         for name, value in (("canvas", layout.ids), ("key_mask", layout.key_mask), ("positions", layout.positions),
                             ("prompt_lengths", layout.prompt_lengths), *params.items()):
-            getattr(self, name)[:rows].copy_(value)
-        for name in ("step", "block_step", "status"):
+            if getattr(self, name) is not None:
+                getattr(self, name)[:rows].copy_(value)
+        for name in ("step", "block_step", "status", "post_steps", "edits"):
             getattr(self, name)[:rows].zero_()
         self._pad(rows)
         self.status[-1].zero_()
@@ -233,7 +246,8 @@ class DeviceState:
         index = torch.tensor(list(rows), dtype=torch.long, device=self.canvas.device)
         count = len(rows)
         for name in _ROW_BUFFERS:
-            getattr(self, name)[:count].copy_(getattr(source, name).index_select(0, index))
+            if getattr(self, name) is not None:
+                getattr(self, name)[:count].copy_(getattr(source, name).index_select(0, index))
         self.status[:count].copy_(source.status.index_select(0, index))
         for name in ("z", "certainty", "kv"):
             for target, origin in zip(self._model_halves(name), source._model_halves(name)):
@@ -250,7 +264,8 @@ class DeviceState:
         self.key_mask[start:].fill_(True)
         self.positions[start:].copy_(torch.arange(self.bucket.canvas, device=self.canvas.device))
         for name in (*_ZERO_IN_PADDING, "status"):
-            getattr(self, name)[start:self.bucket.batch].zero_()
+            if getattr(self, name) is not None:
+                getattr(self, name)[start:self.bucket.batch].zero_()
         for name in ("z", "certainty", "kv"):
             for half in self._model_halves(name):
                 half.narrow(0, start, self.bucket.batch - start).zero_()
@@ -266,5 +281,5 @@ class DeviceState:
 
 # Buffers with one entry per row on their first axis (the status has one more: the forward counter).
 _ZERO_IN_PADDING = ("prompt_lengths", "count", "threshold", "factor", "temperature", "seed", "step", "measure",
-                    "schedule", "block_step")
+                    "schedule", "block_step", "edit_threshold", "max_post_steps", "post_steps", "edits")
 _ROW_BUFFERS = ("canvas", "key_mask", "positions", *_ZERO_IN_PADDING)

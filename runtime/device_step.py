@@ -8,9 +8,15 @@ host or depends on one in Python, so K steps run back to back, compile into one 
 `torch.compile(fullgraph=True)` and capture into one CUDA graph; the host reads `state.status` once
 per K steps.
 
-A step only does work for a row whose block still has masked positions (an active row). For the
-others it is a no-op: nothing is committed, and neither the row's random stream (`step`) nor its
-ORL residual moves, so running more steps than a block needs changes no token.
+A step only does work for a row whose block still has work left (an active row): masked positions,
+or, under token editing, an editing-only step it may still take. For the others it is a no-op:
+nothing is written, and neither the row's random stream (`step`) nor its ORL residual moves, so
+running more steps than a block needs changes no token.
+
+Token editing (LLaDA2.1) follows its public generate per row: every step may overwrite committed
+tokens of the block; once the block has no mask, a row takes up to `max_post_steps` editing-only
+steps, and stops at the first that edits nothing. Rows edit at their own pace: each row's work
+left says when it is done.
 
 Which window a step covers depends on the cache mode (`kinds_for_block`):
 
@@ -20,6 +26,10 @@ Which window a step covers depends on the cache mode (`kinds_for_block`):
 - prefix, block-causal (the exact block cache): first the block before and this one (a request's
   first block: [0, block end)), writing what precedes the block; then the block over the cache.
 - dual (bidirectional only): first the whole canvas, written to the cache; then the block over it.
+
+A family whose logits are shifted (Dream: position j's logits come from position j - 1) has its
+windows over the cache start `lookbehind` positions before the block, so that the block's first
+logits are computed (the prompt is never empty, so that position exists).
 
 A step over the cache attends to the whole storage, masked to the positions that hold K/V and lie
 outside its window (the window brings its own), so its shapes never change from block to block.
@@ -52,6 +62,7 @@ class StepKind:
     writes: int = 0  # the leading window positions whose K/V the step writes into the cache
     sampling: bool = False  # some row samples (temperature > 0)
     confidence: str | None = None  # the measure every row uses (None: each row's `measure`)
+    editing: bool = False  # some row edits committed tokens
 
     def graph(self, guided: bool) -> str:
         return graph_name(cached=self.cached, guided=guided)
@@ -59,8 +70,8 @@ class StepKind:
     @property
     def binding_key(self) -> tuple:
         """What a backend's binding of a bucket's buffers to a graph depends on: the window buffers,
-        the graph, and the K/V it writes (not `before`, `sampling` or `confidence`, which only the
-        gather or the graph's inputs see)."""
+        the graph, and the K/V it writes (not `before`, `sampling`, `confidence` or `editing`, which
+        only the gather or the graph's inputs see)."""
         return self.window, self.start, self.cached, self.writes
 
     def whole_canvas(self, canvas: int) -> bool:
@@ -77,10 +88,11 @@ class GraphOutputs(NamedTuple):
 
 
 def kinds_for_block(cache: str, block_causal: bool, canvas: int, block_start: int, block: int, first_block: bool,
-                    *, sampling: bool = False, confidence: str | None = None) -> tuple[StepKind, StepKind]:
+                    *, sampling: bool = False, confidence: str | None = None, editing: bool = False,
+                    lookbehind: int = 0) -> tuple[StepKind, StepKind]:
     """The kinds of a block's first step and of its later steps."""
     def kind(window, start, **extra):
-        return StepKind(window, start, sampling=sampling, confidence=confidence, **extra)
+        return StepKind(window, start, sampling=sampling, confidence=confidence, editing=editing, **extra)
 
     end = block_start + block
     if cache == "none":
@@ -93,8 +105,8 @@ def kinds_for_block(cache: str, block_causal: bool, canvas: int, block_start: in
         return kind(2 * block, None, before=block, cached=True, writes=block), later
     refresh = kind(canvas, 0, writes=canvas)
     if cache == "prefix":
-        return refresh, kind(canvas - block_start, block_start, cached=True)
-    return refresh, kind(block, None, cached=True)
+        return refresh, kind(canvas - block_start + lookbehind, block_start - lookbehind, cached=True)
+    return refresh, kind(block + lookbehind, None, before=lookbehind, cached=True)
 
 
 def allocate(state: DeviceState, kind: StepKind) -> None:
@@ -144,6 +156,8 @@ def graph_inputs(state: DeviceState, kind: StepKind) -> dict[str, Tensor]:
                                                   window.certainty)
     inputs = {"ids": ids, "positions": positions, "key_mask": key_mask, "block_index": state.block_index,
               **{name: getattr(state, name) for name in POLICY_INPUTS}}
+    if state.edit_threshold is not None:
+        inputs.update(edit_threshold=state.edit_threshold, prompt_lengths=state.prompt_lengths)
     if kind.cached:
         inputs.update(past_kv=state.kv, past_positions=state.positions, past_key_mask=state.past_key_mask)
     if z is not None:
@@ -184,11 +198,13 @@ def gather(state: DeviceState, kind: StepKind) -> None:
 
 
 def apply(state: DeviceState, kind: StepKind, active: Tensor, outputs: GraphOutputs) -> None:
-    """Write a step's results into the state: the block's ids, the window's residual for the rows
+    """Write a step's results into the state: the block's ids and the window's residual for the rows
     that were active, the K/V the step writes, and the counters."""
     bucket = state.bucket
     block_positions = torch.arange(bucket.block, device=state.canvas.device) + state.block_start
-    state.canvas.index_copy_(1, block_positions, outputs.ids)
+    old_block = state.canvas.index_select(1, block_positions)
+    new_block = torch.where(active[:, None], outputs.ids, old_block)
+    state.canvas.index_copy_(1, block_positions, new_block)
     whole = kind.whole_canvas(bucket.canvas)
     if state.z is not None:
         model_active = (active.repeat(2) if bucket.guided else active)[:, None]
@@ -211,9 +227,20 @@ def apply(state: DeviceState, kind: StepKind, active: Tensor, outputs: GraphOutp
             state.cache_valid.index_fill_(0, written, True)
     state.step.add_(active)
     state.block_step.add_(1)
-    remaining = (state.canvas.index_select(1, block_positions) == state.mask_id).sum(-1)
-    state.status[:-1].copy_(remaining)
+    was_masked = old_block == state.mask_id
+    edited = ((new_block != old_block) & ~was_masked).sum(-1)
+    state.edits.add_(edited)
+    # an editing-only step spends one of the row's post steps; one that edits nothing ends them
+    editing_only = active & ~was_masked.any(-1)
+    state.post_steps.sub_(editing_only.long())
+    state.post_steps.masked_fill_(editing_only & (edited == 0), 0)
+    _write_work_left(state, (new_block == state.mask_id).sum(-1))
     state.status[-1:].add_(active.any().long())
+
+
+def _write_work_left(state: DeviceState, masked: Tensor) -> None:
+    """Each row's work left in its block: its masked positions, or 1 while it may still edit."""
+    state.status[:-1].copy_(torch.where(masked > 0, masked, (state.post_steps > 0).long()))
 
 
 def step(state: DeviceState, kind: StepKind, run_graph: Callable[[Mapping[str, Tensor]], GraphOutputs]) -> None:
@@ -232,6 +259,7 @@ def start_block(state: DeviceState, block_start: int, schedule: Tensor) -> None:
     steps = min(schedule.shape[1], bucket.block)
     state.schedule[:, :steps].copy_(schedule[:, :steps])
     state.schedule[:, steps:].fill_(bucket.block)
+    state.post_steps.copy_(state.max_post_steps)
     block = state.canvas[:, block_start:block_start + bucket.block]
-    state.status[:-1].copy_((block == state.mask_id).sum(-1))
+    _write_work_left(state, (block == state.mask_id).sum(-1))
 

@@ -156,7 +156,9 @@ class _Run:
                   "factor": torch.full((rows,), policy.factor_value, dtype=torch.float32),
                   "temperature": torch.full((rows,), settings.temperature, dtype=torch.float32),
                   "seed": settings.seed + torch.arange(rows, dtype=torch.long),
-                  "measure": torch.full((rows,), MEASURE_CODES[policy.confidence], dtype=torch.long)}
+                  "measure": torch.full((rows,), MEASURE_CODES[policy.confidence], dtype=torch.long),
+                  "edit_threshold": torch.full((rows,), policy.edit_threshold_value, dtype=torch.float32),
+                  "max_post_steps": torch.full((rows,), policy.post_steps, dtype=torch.long)}
         self.state = backend.prepare(bucket, owner=self)
         self.state.load(self.layout, params, settings.cfg_scale)
         self.rows = list(range(self.batch))  # the request rows still running
@@ -180,6 +182,7 @@ class _Run:
         self.stops_at_eos = not settings.ignore_eos and len(spec.eos_ids) > 0
         self.stop_ids = (*spec.eos_ids, spec.mask_id)  # a completion ends at EOS, or where decoding stopped
         self.sampling = settings.temperature > 0
+        self.editing = policy.edit_threshold_value < float("inf")
 
     # -- the loop ---------------------------------------------------------------------------
     def events(self) -> Iterator[BlockUpdate]:
@@ -209,7 +212,8 @@ class _Run:
         device_step.start_block(state, start, settings.policy.schedule(masked, settings.block_length, budget))
         first, later = device_step.kinds_for_block(
             settings.cache, self.spec.block_causal, state.bucket.canvas, start, state.bucket.block,
-            first_block=block == 0, sampling=self.sampling, confidence=settings.policy.confidence)
+            first_block=block == 0, sampling=self.sampling, confidence=settings.policy.confidence,
+            editing=self.editing, lookbehind=self.spec.logits_shift)
         taken, remaining, worked_before = 0, settings.block_length, self.worked
         try:
             while taken < budget and remaining > 0:
@@ -256,6 +260,7 @@ class _Run:
     def _end_block(self, block: int, end: int) -> Iterator[BlockUpdate]:
         gen_length = self.settings.gen_length
         outputs = self._read_outputs(end)
+        edits = self.state.edits.tolist() if self.editing else [0] * self.state.bucket.batch
         keep, stopped = [], []
         for index, (row, slot, settled) in enumerate(zip(self.rows, self.slots, outputs)):
             settled = settled[:gen_length]
@@ -272,7 +277,8 @@ class _Run:
             if stops:
                 stopped.append(slot)
             fill = self.spec.eos_ids[0] if stops else self.spec.mask_id
-            self._close_row(row, settled, fill)
+            self.state.max_post_steps[slot] = 0  # a finished row never edits again
+            self._close_row(row, settled, fill, edits[slot])
         for slot in stopped:  # the rest of a stopped row is EOS, so it never has a mask to commit again
             row_canvas = self.state.canvas[slot]
             row_canvas.masked_fill_(row_canvas == self.spec.mask_id, self.spec.eos_ids[0])
@@ -283,7 +289,7 @@ class _Run:
         for row, settled in zip(self.rows, outputs):
             settled = settled[:self.settings.gen_length]
             yield self._update(row, -1, settled, reason)
-            self._close_row(row, settled, self.spec.mask_id)
+            self._close_row(row, settled, self.spec.mask_id, self._edits_of(row))
         self.rows = []
 
     def _update(self, row: int, block: int, settled: list[int], reason: str | None) -> BlockUpdate:
@@ -293,14 +299,17 @@ class _Run:
             self.finish_reason[row] = reason
         return BlockUpdate(row, block, new, reason)
 
-    def _close_row(self, row: int, settled: list[int], fill: int) -> None:
+    def _edits_of(self, row: int) -> int:
+        return int(self.state.edits[self.slots[self.rows.index(row)]]) if self.editing else 0
+
+    def _close_row(self, row: int, settled: list[int], fill: int, edits: int) -> None:
         """Record a finished row: its `settled` output, then `fill` (EOS after a stop, else the mask)."""
         self.tokens[row] = torch.tensor(settled + [fill] * (self.settings.gen_length - len(settled)))
         decoded = sum(t != self.spec.mask_id for t in settled)
         self.sequence_forwards += self.row_forwards[row]
         self.row_metrics[row] = GenerationMetrics(
             nfe=self.row_forwards[row], sequence_forwards=self.row_forwards[row], generated_tokens=decoded,
-            prompt_tokens=self.prompt_lengths[row], batch_size=1,
+            prompt_tokens=self.prompt_lengths[row], batch_size=1, edits=edits,
             latency_s=time.perf_counter() - self.started - self.compile_s, backend_s=self.backend_s)
 
     def _keep(self, keep: list[int]) -> None:
@@ -324,6 +333,7 @@ class _Run:
             nfe=self.worked, sequence_forwards=self.sequence_forwards,
             generated_tokens=sum(r.metrics.generated_tokens for r in rows),
             prompt_tokens=sum(self.prompt_lengths), batch_size=self.batch,
+            edits=sum(r.metrics.edits for r in rows),
             latency_s=time.perf_counter() - self.started - self.compile_s, backend_s=self.backend_s,
             peak_memory_bytes=peak_memory_bytes(self.spec.device), forwards_executed=self.executed,
             compile_s=self.compile_s)

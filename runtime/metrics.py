@@ -28,6 +28,7 @@ class GenerationMetrics:
     # than `nfe`, and the difference is what a large K costs.
     forwards_executed: int = 0
     compile_s: float = 0.0  # compiling or capturing step graphs (first use of a bucket), apart from latency_s
+    edits: int = 0  # committed tokens that token editing overwrote (LLaDA2.1's llada21 policy)
 
     @property
     def tpf(self) -> float:
@@ -59,7 +60,8 @@ class GenerationMetrics:
             prompt_tokens=sum(p.prompt_tokens for p in parts), batch_size=sum(p.batch_size for p in parts),
             latency_s=sum(p.latency_s for p in parts), backend_s=sum(p.backend_s for p in parts),
             peak_memory_bytes=max((p.peak_memory_bytes for p in parts), default=0),
-            forwards_executed=sum(p.forwards_executed for p in parts), compile_s=sum(p.compile_s for p in parts))
+            forwards_executed=sum(p.forwards_executed for p in parts), compile_s=sum(p.compile_s for p in parts),
+            edits=sum(p.edits for p in parts))
 
     def table(self, title: str = "generation metrics"):
         from rich.table import Table
@@ -69,7 +71,7 @@ class GenerationMetrics:
         table.add_column("value", justify="right")
         rows = [
             ("forwards (NFE)", f"{self.nfe}"), ("forwards executed", f"{self.forwards_executed}"),
-            ("generated tokens", f"{self.generated_tokens}"),
+            ("generated tokens", f"{self.generated_tokens}"), ("tokens edited", f"{self.edits}"),
             ("prompt tokens", f"{self.prompt_tokens}"), ("batch", f"{self.batch_size}"),
             ("tokens per forward", f"{self.tpf:.2f}"), ("tokens/s", f"{self.tokens_per_s:.1f}"),
             ("latency", f"{self.latency_s * 1e3:.1f} ms"), ("backend", f"{self.backend_s * 1e3:.1f} ms"),

@@ -1,10 +1,11 @@
 """Decoding policies: which masked positions a step commits.
 
-A policy is host-side bookkeeping plus three per-row numbers the step graph
+A policy is host-side bookkeeping plus a few per-row numbers the step graph
 takes as inputs (see `dlmrt.plugins.parallel_unmask`): the minimum commits of
-each step (`count`, from a per-block schedule), a confidence `threshold` and
-Fast-dLLM's `factor`. Changing a policy or its parameters never needs a new
-graph or engine.
+each step (`count`, from a per-block schedule), a confidence `threshold`,
+Fast-dLLM's `factor`, and for token editing an `edit_threshold` and the
+editing-only steps a block may take after its last mask (`post_steps`).
+Changing a policy or its parameters never needs a new graph or engine.
 
 | policy | count per step | threshold | factor |
 |---|---|---|---|
@@ -12,6 +13,8 @@ graph or engine.
 | `threshold` | 1 | tau (>=) | off |
 | `factor` | 1 | off | f |
 | `llada2` | LLaDA schedule over the block length | tau (strictly >) | off |
+| `llada21` | `num_to_transfer` | tau (strictly >), plus editing above the editing threshold | off |
+| `dream` | Dream's `1 - s/t` schedule over the block's masked count | off | off |
 | `residual` | as its inner `threshold` or `factor` rule | | |
 
 Every policy commits what is left of a block at the last step it may take, so a
@@ -61,6 +64,8 @@ class Policy(ABC):
 
     threshold_value: float = math.inf
     factor_value: float = 0.0
+    edit_threshold_value: float = math.inf  # overwrite committed tokens with p(x0) >= this; inf: never
+    post_steps: int = 0  # editing-only steps a block may take once it has no mask
 
     def validate(self, settings: GenerationSettings) -> None:
         """Raise ArgumentError for parameters that cannot work, before any compute."""
@@ -197,6 +202,124 @@ class LLaDA2(Policy):
 
 
 @dataclass(frozen=True)
+class LLaDA21(Policy):
+    """LLaDA2.1's decoding with token-to-token editing (its public generate, per row).
+
+    Each step commits every masked position of the block with p > threshold, or the
+    `num_to_transfer` most confident when fewer pass; it also overwrites committed, generated
+    positions of the block whose argmax differs from their token with p > edit_threshold. Once
+    the block has no mask, up to `max_post_steps` editing-only steps follow, stopping at the first
+    that edits nothing. An editing threshold of 1 turns editing off (no probability is above 1):
+    then no editing-only step runs, which saves the forward the public generate spends finding that
+    out and changes no token."""
+
+    threshold: float = 0.95
+    edit_threshold: float = 0.9
+    max_post_steps: int = 16
+    num_to_transfer: int = 1
+    confidence: str = "prob"
+    name: ClassVar[str] = "llada21"
+
+    @property
+    def edits(self) -> bool:
+        return self.edit_threshold < 1
+
+    @property
+    def threshold_value(self) -> float:  # type: ignore[override]
+        return strictly_above(self.threshold)
+
+    @property
+    def edit_threshold_value(self) -> float:  # type: ignore[override]
+        return strictly_above(self.edit_threshold) if self.edits else math.inf
+
+    @property
+    def post_steps(self) -> int:  # type: ignore[override]
+        return self.max_post_steps if self.edits else 0
+
+    def validate(self, settings: GenerationSettings) -> None:
+        _check_threshold(self.threshold)
+        if not (isinstance(self.edit_threshold, (int, float)) and 0 < self.edit_threshold <= 1):
+            raise ArgumentError(f"editing-threshold must lie in (0, 1] (1 turns editing off), got "
+                                f"{self.edit_threshold}")
+        for name, value, floor in (("max-post-steps", self.max_post_steps, 0),
+                                   ("num-to-transfer", self.num_to_transfer, 1)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < floor:
+                raise ArgumentError(f"{name} must be an integer >= {floor}, got {value!r}")
+            if value > limits.MAX_POSITIONS:
+                raise ArgumentError(f"{name} must be at most {limits.MAX_POSITIONS}, got {value}")
+
+    def block_steps(self, settings: GenerationSettings) -> int:
+        """Every step commits at least one mask, so the masks take at most a block's length of steps."""
+        return settings.block_length + self.post_steps
+
+    def schedule(self, masked: Tensor, block_length: int, steps: int) -> Tensor:
+        counts = torch.full((masked.shape[0], steps), self.num_to_transfer, dtype=torch.long, device=masked.device)
+        counts[:, -1] = block_length
+        return counts
+
+
+def dream_schedule(masked: Tensor, steps: int, eps: float) -> Tensor:
+    """`[B, steps]` commits per step of Dream's `diffusion_generate`: with t, s consecutive entries of
+    float32 `linspace(1, eps, steps + 1)`, step i commits `int(m * (1 - s / t))` of the m positions still
+    masked, and the last step all of them. Computed in float32 as Dream computes it, since its floor
+    decides the count (with eps > 0 the product lands just below a whole number)."""
+    timesteps = torch.linspace(1, eps, steps + 1, device=masked.device)
+    left = masked.clone()
+    counts = torch.empty(masked.shape[0], steps, dtype=torch.long, device=masked.device)
+    for i in range(steps):
+        ratio = 1 - timesteps[i + 1] / timesteps[i]
+        counts[:, i] = left if i == steps - 1 else (left.to(torch.float32) * ratio).long()
+        left = left - counts[:, i]
+    return counts
+
+
+@dataclass(frozen=True)
+class Dream(Policy):
+    """Dream's own decoding (`diffusion_generate`, at temperature 0 with top-k selection): `steps`
+    forwards in all, `steps / num_blocks` per block, each committing the `dream_schedule` count of its
+    most confident masked positions. A block as long as gen-length is Dream's whole canvas.
+
+    Dream's algorithms are dlmrt's confidence measures: `maskgit_plus` is `prob`, `topk_margin` is
+    `margin`, and `entropy` (sum p log p) is `entropy` (1 - H / log V, the same order). Dream counts
+    the masked positions as the batch's mean; dlmrt counts each row's own, so that a row decodes as it
+    would alone (the same for one row, and for rows with the same masked count)."""
+
+    steps: int | None = None  # None: one token per step (gen_length)
+    eps: float = 1e-3
+    confidence: str = "prob"
+    name: ClassVar[str] = "dream"
+
+    def total_steps(self, settings: GenerationSettings) -> int:
+        return settings.gen_length if self.steps is None else self.steps
+
+    def validate(self, settings: GenerationSettings) -> None:
+        _check_confidence(self.confidence)
+        steps = self.total_steps(settings)
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps <= 0:
+            raise ArgumentError(f"steps must be a positive integer, got {steps!r}")
+        if steps > limits.MAX_POSITIONS:
+            raise ArgumentError(f"steps must be at most {limits.MAX_POSITIONS}, got {steps}")
+        if steps % settings.num_blocks:
+            raise ArgumentError(f"steps ({steps}) must be divisible by the number of blocks "
+                                f"(gen-length / block-length = {settings.num_blocks})")
+        if steps > settings.gen_length:  # Dream's schedule over more steps commits differently, not more slowly
+            raise ArgumentError(f"steps ({steps}) must be at most gen-length ({settings.gen_length}): a block "
+                                f"takes at most one step per position")
+        if not (isinstance(self.eps, (int, float)) and 0 <= self.eps < 1):
+            raise ArgumentError(f"eps must lie in [0, 1), got {self.eps}")
+
+    def block_steps(self, settings: GenerationSettings) -> int:
+        return self.total_steps(settings) // settings.num_blocks
+
+    def schedule(self, masked: Tensor, block_length: int, steps: int) -> Tensor:
+        return dream_schedule(masked, steps, self.eps)
+
+
+# LLaDA2.1's documented modes: (threshold, editing threshold, max post steps); 1 turns editing off.
+LLADA21_PRESETS = {"quality": (0.7, 0.5, 16), "speed": (0.5, 1.0, 16)}
+
+
+@dataclass(frozen=True)
 class Residual(Policy):
     """ORL decoding: the residual `z` carried from step to step, with a threshold or factor rule.
 
@@ -228,17 +351,32 @@ class Residual(Policy):
         return self.rule.schedule(masked, block_length, steps)
 
 
-POLICIES = ("fixed", "threshold", "factor", "llada2", "residual")
+POLICIES = ("fixed", "threshold", "factor", "llada2", "llada21", "dream", "residual")
 
 
 def make_policy(name: str, *, steps: int | None = None, remasking: str = "low_confidence",
                 threshold: float | None = None, factor: float | None = None,
-                confidence: str = "prob", minimal_topk: int = 1) -> Policy:
-    """A policy from command-line style parameters; unknown names get one clear error."""
+                confidence: str = "prob", minimal_topk: int = 1, editing_threshold: float | None = None,
+                max_post_steps: int | None = None, preset: str | None = None) -> Policy:
+    """A policy from command-line style parameters; unknown names get one clear error. `preset`
+    (llada21 only) sets the defaults that explicit values override."""
+    if preset is not None and name != "llada21":
+        raise ArgumentError(f"presets ({', '.join(LLADA21_PRESETS)}) belong to policy llada21, not {name!r}")
+    if name == "llada21":
+        if preset is not None and preset not in LLADA21_PRESETS:
+            raise ArgumentError(f"unknown llada21 preset {preset!r} (known: {', '.join(LLADA21_PRESETS)})")
+        tau, tau_edit, post = LLADA21_PRESETS[preset] if preset else (0.95, 0.9, 16)
+        return LLaDA21(tau if threshold is None else threshold,
+                       tau_edit if editing_threshold is None else editing_threshold,
+                       post if max_post_steps is None else max_post_steps)
+    if editing_threshold is not None or max_post_steps is not None:
+        raise ArgumentError(f"editing-threshold and max-post-steps belong to policy llada21, not {name!r}")
     if name == "fixed":
         return Fixed(steps=steps, remasking=remasking)
     if name == "threshold":
         return Threshold(0.9 if threshold is None else threshold, confidence)
+    if name == "dream":
+        return Dream(steps, confidence=confidence)
     if name == "factor":
         return Factor(1.0 if factor is None else factor, confidence)
     if name == "llada2":

@@ -38,10 +38,11 @@ class GenerationSettings:
         return self.gen_length // self.block_length
 
     def block_steps(self) -> int:
-        """The most steps a block runs: no block needs more than one per position."""
+        """The most steps a block runs: no block needs more than one per position, and token editing
+        its editing-only steps after them."""
         steps = self.policy.block_steps(self)
         steps = steps if self.max_block_steps is None else min(steps, self.max_block_steps)
-        return min(steps, self.block_length)
+        return min(steps, self.block_length + self.policy.post_steps)
 
     def validate(self, block_causal: bool = False) -> None:
         """Raise ArgumentError for settings that cannot work. Block-causal models place blocks on
@@ -86,6 +87,10 @@ def check_request(spec: ModelSpec, prompts: Sequence[Sequence[int]], settings: G
     if isinstance(settings.policy, Residual) and not spec.has_residual:
         raise ArgumentError(f"policy 'residual' needs an ORL model (a residual_context entry in "
                             f"config.json); {spec.name} has none: use --policy threshold or factor")
+    if settings.policy.edit_threshold_value < float("inf") and not spec.supports_editing:
+        raise ArgumentError(f"{spec.name} was exported before token editing (its dlmrt::ParallelUnmask is v1): "
+                            f"re-export it with this dlmrt (`dlmrt export`) for the llada21 policy's editing, or "
+                            f"turn editing off (--editing-threshold 1)")
     if settings.cfg_scale > 0 and not spec.supports_guidance:
         raise ArgumentError(f"{spec.name} was exported without the guidance graphs: re-export with "
                             f"`dlmrt export --guidance` for --cfg-scale, or use the torch backend")

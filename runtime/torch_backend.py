@@ -55,7 +55,7 @@ def spec_of(model: Denoiser) -> ModelSpec:
         max_positions=model.max_positions, mask_id=model.tokens.mask_id,
         eos_ids=tuple(model.tokens.eos_ids), pad_id=model.tokens.pad_id,
         block_causal=model.block_causal, has_residual=model.residual_config is not None,
-        dtype=model.dtype, device=model.device)
+        dtype=model.dtype, device=model.device, logits_shift=model.logits_shift)
 
 
 def modes_for(device: torch.device) -> tuple[str, ...]:
@@ -129,11 +129,12 @@ class TorchBackend(Backend):
     def _graph(self, state: DeviceState, kind: StepKind, model: Denoiser) -> _TorchGraph:
         grid = state.bucket.block if self.spec.block_causal else None
         graph = kind.graph(state.bucket.guided)
-        key = (graph, grid, kind.writes > 0, kind.sampling, kind.confidence, id(model))
+        key = (graph, grid, kind.writes > 0, kind.sampling, kind.confidence, kind.editing, id(model))
         if key not in self._graphs:
             self._graphs[key] = _TorchGraph(StepGraph(model, graph, grid, return_kv=kind.writes > 0,
                                                       sampling=kind.sampling, confidence=kind.confidence,
-                                                      unmask=self.unmask).eval(), self.observe)
+                                                      editing=kind.editing, unmask=self.unmask).eval(),
+                                            self.observe)
         return self._graphs[key]
 
     # -- Backend ------------------------------------------------------------------------------------

@@ -194,6 +194,6 @@ def check_plugin_registration(op: str) -> None:
     onnx_function = importlib.import_module(f"dlmrt.plugins.{op}.onnx_function")
     trt_plugin.register()
     trt_plugin.register()
-    creator = trt.get_plugin_registry().get_creator(onnx_function.OP_TYPE, onnx_function.PLUGIN_VERSION,
+    creator = trt.get_plugin_registry().get_creator(onnx_function.OP_TYPE, onnx_function.TENSORRT_PLUGIN_VERSION,
                                                     onnx_function.DOMAIN)
     assert creator is not None, f"dlmrt::{onnx_function.OP_TYPE} is not in TensorRT's plugin registry"

@@ -89,7 +89,7 @@ def test_default_plan_covers_the_exports_limits(tiny_export, tmp_path):
     assert [graph.name for graph in plan.graphs] == ["full", "cached"]
     assert {graph.sha256 for graph in plan.graphs} == {export.files["step_full.onnx"], export.files["step_cached.onnx"]}
     assert plan.output == str(tmp_path / "store" / "tiny-llada" / "sm_90-bf16")
-    assert plan.plugins == [{"name": "ParallelUnmask", "namespace": "dlmrt", "version": "1"}]
+    assert plan.plugins == [{"name": "ParallelUnmask", "namespace": "dlmrt", "version": "2"}]
     json.loads(plan.to_json())
 
 
@@ -226,7 +226,7 @@ def test_an_orl_export_needs_both_plugins_and_passes_preflight(tmp_path):
     export_dir = onnx_export.export(random_model(config(LLADA, residual_context=ORL), seed=3), tmp_path / "orl",
                                     max_batch=4, max_length=32)
     plan = plan_for(export_dir, tmp_path, graphs=("full",))
-    assert plan.plugins == [{"name": "ParallelUnmask", "namespace": "dlmrt", "version": "1"},
+    assert plan.plugins == [{"name": "ParallelUnmask", "namespace": "dlmrt", "version": "2"},
                             {"name": "ResidualContext", "namespace": "dlmrt", "version": "1"}]
     graphs = load_graphs(plan, export_dir)
     assert preflight.check(plan, graphs) == []

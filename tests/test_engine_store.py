@@ -69,7 +69,7 @@ def test_a_build_writes_engines_timing_cache_and_a_manifest_that_inspect_checks(
     assert record["graphs"]["full"]["built_from_sha256"] == export.graph_sha256("full")
     assert (record["compute_capability"], record["tensorrt_version"], record["precision"]) == (
         "9.0", TENSORRT, "bf16")
-    assert record["plugins"] == [{"name": "ParallelUnmask", "namespace": "dlmrt", "version": "1"}]
+    assert record["plugins"] == [{"name": "ParallelUnmask", "namespace": "dlmrt", "version": "2"}]
     assert manifest.problems(entry, record) == []
     (entry / "full" / "engine.plan").write_bytes(b"tampered")
     assert manifest.problems(entry, record) == [

@@ -233,7 +233,8 @@ def step_feed(ids: torch.Tensor, mask_id: int) -> dict[str, np.ndarray]:
             "count": np.ones(batch, np.int64), "threshold": np.full(batch, 0.9, np.float32),
             "factor": np.zeros(batch, np.float32), "temperature": np.zeros(batch, np.float32),
             "seed": np.zeros(batch, np.int64), "step": np.zeros(batch, np.int64),
-            "measure": np.full(batch, MEASURE_CODES["prob"], np.int64)}
+            "measure": np.full(batch, MEASURE_CODES["prob"], np.int64),
+            "edit_threshold": np.full(batch, np.inf, np.float32), "prompt_lengths": np.full(batch, length - 8)}
 
 
 @pytest.fixture(scope="module")

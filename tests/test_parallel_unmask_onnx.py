@@ -9,7 +9,7 @@ import torch
 onnx = pytest.importorskip("onnx", reason="the ONNX path needs the 'onnx' extra")
 ort = pytest.importorskip("onnxruntime", reason="the ONNX path needs the 'onnx' extra")
 
-from dlmrt.plugins.parallel_unmask import MEASURE_CODES, UnmaskParams, parallel_unmask  # noqa: E402
+from dlmrt.plugins.parallel_unmask import MEASURE_CODES, EditParams, UnmaskParams, parallel_unmask  # noqa: E402
 from dlmrt.plugins.parallel_unmask import onnx_function  # noqa: E402
 
 MASK = 6
@@ -30,10 +30,18 @@ def params(batch, count=1, threshold=2.0, factor=0.0, temperature=0.0, seed=0, s
                         full(temperature, torch.float32), full(seed, torch.long), full(step, torch.long))
 
 
-def check_same(session, logits, ids, positions, p: UnmaskParams, measure):
-    expected = parallel_unmask(logits, ids, positions, p, mask_id=MASK, confidence=measure)
+def no_edits(ids):
+    return EditParams(torch.full((ids.shape[0],), float("inf")), torch.zeros(ids.shape, dtype=torch.bool))
+
+
+def check_same(session, logits, ids, positions, p: UnmaskParams, measure, edits: EditParams | None = None):
+    """The function's outputs against the reference's; without `edits`, the node is fed editing off
+    (an infinite threshold) and the reference runs without editing."""
+    expected = parallel_unmask(logits, ids, positions, p, mask_id=MASK, confidence=measure, edits=edits)
+    edits = edits or no_edits(ids)
     feeds = {"logits": logits.numpy(), "ids": ids.numpy(), "positions": positions.numpy(),
-             "measure": measure.numpy(), **{name: t.numpy() for name, t in p._asdict().items()}}
+             "measure": measure.numpy(), **{name: t.numpy() for name, t in p._asdict().items()},
+             "edit_threshold": edits.threshold.numpy(), "editable": edits.editable.numpy()}
     new_ids, confidence, commit, committed = session.run(None, feeds)
     np.testing.assert_array_equal(new_ids, expected.ids.numpy())
     np.testing.assert_array_equal(commit, expected.commit.numpy())
@@ -63,7 +71,26 @@ def test_random_inputs(session, shape, sampling):
             seed=torch.randint(0, 2**40, (batch,), generator=generator),
             step=torch.randint(0, 50, (batch,), generator=generator))
         positions = torch.randint(0, 100, (batch, width), generator=generator)
-        check_same(session, logits, ids, positions, p, torch.randint(0, 4, (batch,), generator=generator))
+        measure = torch.randint(0, 4, (batch,), generator=generator)
+        check_same(session, logits, ids, positions, p, measure)
+        edit_threshold = torch.rand(batch, generator=generator)
+        edit_threshold[torch.rand(batch, generator=generator) < 0.3] = float("inf")
+        editable = torch.rand(batch, width, generator=generator) < 0.7
+        check_same(session, logits, ids, positions, p, measure, EditParams(edit_threshold, editable))
+
+
+def test_edits_overwrite_confident_changed_editable_tokens(session):
+    """Hand-made: x0 is token 3 everywhere, with p(3) = 0.8 at positions 0-3 and 0.6 at 4-5."""
+    logits = torch.full((1, 6, VOCAB), -20.0)
+    logits[0, :4, 3], logits[0, :4, 2] = 2.0, 2.0 - torch.log(torch.tensor(4.0))
+    logits[0, 4:, 3], logits[0, 4:, 2] = 1.0, 1.0 - torch.log(torch.tensor(1.5))
+    ids = torch.tensor([[1, 3, 1, MASK, 1, 1]])
+    editable = torch.tensor([[True, True, False, True, True, True]])
+    result = check_same(session, logits, ids, torch.arange(6)[None], params(1, count=1), codes(1, "prob"),
+                        EditParams(torch.tensor([0.7]), editable))
+    # 0: edited; 1: already x0; 2: not editable; 3: masked, committed; 4, 5: not confident enough
+    assert result.ids.tolist() == [[3, 3, 1, 3, 1, 1]]
+    assert result.commit.tolist() == [[False, False, False, True, False, False]]
 
 
 @pytest.mark.parametrize("measure", ["prob", "margin", "entropy", "random"])

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from dlmrt.errors import KernelInputError, MissingExtraError
-from dlmrt.plugins.parallel_unmask import MEASURE_CODES, UnmaskParams, parallel_unmask
+from dlmrt.plugins.parallel_unmask import MEASURE_CODES, EditParams, UnmaskParams, parallel_unmask
 from helpers import check_plugin_registration, cuda_kernels, fresh_module, interpret_cases, run_in_interpreter
 from test_parallel_unmask import exact_row, logits_of, make_params, probs_row
 
@@ -113,21 +113,49 @@ def random_cases() -> dict[str, dict]:
                                                  threshold=[0.9, 0.5], factor=[0.0, 0.0], count=[1, 0])
     cases["one_position"] = random_unmask(4, 1, 1, 17, codes=0, temperature=0.0, threshold=INF, factor=0.0,
                                           count=1, masked_share=1.0)
+    cases["editing"] = with_edits(random_unmask(6, 4, 9, 37, codes=[0, 1, 2, 3], masked_share=0.4, **four),
+                                  threshold=[0.2, 0.0, INF, 0.5], seed=6)
     cases["vocabulary_in_one_tile"] = random_unmask(5, 2, 6, 100, codes=[2, 3], temperature=[2.0, 0.0],
                                                     threshold=[0.1, 0.5], factor=[0.0, 1.0], count=[2, 0],
                                                     block_v=128, block_w=64)
     return cases
 
 
-UNMASK_CASES = {**random_cases(), **crafted_cases()}
+def with_edits(case: dict, threshold: list[float], seed: int) -> dict:
+    """`case` with token editing: each row's threshold, and a random share of editable positions."""
+    g = torch.Generator().manual_seed(seed)
+    editable = torch.rand(case["ids"].shape, generator=g) < 0.8
+    return dict(case, edits=(torch.tensor(threshold, dtype=torch.float32), editable))
+
+
+def editing_at_a_probability() -> dict:
+    """Editing thresholds of exactly one position's p(x0): that position is edited (>=), with
+    the threshold one float32 step above it is not."""
+    g = torch.Generator().manual_seed(12)
+    logits = (torch.randn(1, 6, 9, generator=g) * 2).expand(2, 6, 9).clone()  # two equal rows
+    ids = torch.randint(0, 8, (1, 6), generator=g).expand(2, 6).clone()
+    ids[:, 0] = 8
+    x0 = logits[..., :8].argmax(-1)  # the mask token (8) is never a candidate
+    ids[:, 3] = (x0[:, 3] + 1) % 8
+    at = torch.softmax(logits, -1).gather(-1, x0[..., None])[0, 3].reshape(1)
+    threshold = torch.cat((at, torch.nextafter(at, torch.tensor(INF))))
+    editable = torch.ones(2, 6, dtype=torch.bool)
+    return dict(unmask_case(logits, ids, make_params(2, count=1), 0), edits=(threshold, editable))
+
+
+UNMASK_CASES = {**random_cases(), **crafted_cases(), "editing_at_a_probability": editing_at_a_probability()}
+
+
+def edits_of(case: dict) -> EditParams | None:
+    return EditParams(*case["edits"]) if "edits" in case else None
 
 
 def run_case(kernels, case: dict) -> dict:
     """The kernels' outputs for a case: the two-kernel form and the fused (TensorRT) one."""
     args = (case["logits"], case["ids"], case["positions"], UnmaskParams(*case["params"]), case["mask_id"],
             case["codes"])
-    return {f"fused={fused}": kernels.parallel_unmask(*args, fused=fused, block_v=case["block_v"],
-                                                      block_w=case["block_w"])
+    return {f"fused={fused}": kernels.parallel_unmask(*args, edits=edits_of(case), fused=fused,
+                                                      block_v=case["block_v"], block_w=case["block_w"])
             for fused in (False, True)}
 
 
@@ -139,7 +167,7 @@ def interpreted(tmp_path_factory) -> dict:
 
 def reference(case: dict):
     return parallel_unmask(case["logits"], case["ids"], case["positions"], UnmaskParams(*case["params"]),
-                           mask_id=case["mask_id"], confidence=case["codes"])
+                           mask_id=case["mask_id"], confidence=case["codes"], edits=edits_of(case))
 
 
 def assert_matches_reference(result, expected):
@@ -178,6 +206,9 @@ def test_crafted_cases_commit_what_the_rules_say(interpreted):
         assert bool(at.commit[0, 2]) and int(at.committed[0]) >= 1
         factor = interpreted["factor_boundary"][form]
         assert factor.committed.tolist() == [1, 2, 3]  # the rule is strict: 1.5 < 1.5 fails
+        case = UNMASK_CASES["editing_at_a_probability"]
+        edited = interpreted["editing_at_a_probability"][form].ids != case["ids"]
+        assert bool(edited[0, 3]) and not edited[1, 3]
 
 
 def test_random_numbers_are_bit_exact(interpreted):
@@ -246,8 +277,8 @@ def test_aot_ptx_for_each_target(cc):
     assert re.search(rf"^\.target sm_{cc}a?\b", compiled.ptx, flags=re.M), compiled.ptx[:400]
     entry = re.search(r"\.entry (\w+)\((.*?)\)", compiled.ptx, flags=re.S)
     assert entry.group(1) == compiled.name == "parallel_unmask_kernel"
-    # the arguments TensorRT passes: 10 inputs, W, V, mask_id, 4 outputs; Triton's scratch pointers dropped
-    assert entry.group(2).count(".param") == len(aot.SIGNATURES["parallel_unmask_kernel"]) == 17
+    # the arguments TensorRT passes: 12 inputs, W, V, mask_id, 4 outputs; Triton's scratch pointers dropped
+    assert entry.group(2).count(".param") == len(aot.SIGNATURES["parallel_unmask_kernel"]) == 19
     assert compiled.threads == triton_kernels.CONFIGS["parallel_unmask_kernel"].num_warps * 32
     assert compiled.shared_mem >= 0 and compiled.cc == cc
 

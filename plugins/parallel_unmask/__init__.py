@@ -11,9 +11,9 @@
   plugin running the fused kernel, so an engine needs no Python.
 """
 
-from dlmrt.plugins.parallel_unmask.reference import (CONFIDENCE_MEASURES, MEASURE_CODES, UnmaskParams,
+from dlmrt.plugins.parallel_unmask.reference import (CONFIDENCE_MEASURES, MEASURE_CODES, EditParams, UnmaskParams,
                                                      UnmaskResult, candidates, commit_count, confidence_of,
                                                      parallel_unmask, strictly_above, uniform)
 
-__all__ = ["CONFIDENCE_MEASURES", "MEASURE_CODES", "UnmaskParams", "UnmaskResult", "candidates", "commit_count",
-           "confidence_of", "parallel_unmask", "strictly_above", "uniform"]
+__all__ = ["CONFIDENCE_MEASURES", "EditParams", "MEASURE_CODES", "UnmaskParams", "UnmaskResult", "candidates",
+           "commit_count", "confidence_of", "parallel_unmask", "strictly_above", "uniform"]

@@ -35,15 +35,15 @@ TARGETS = (90, 100, 120)  # H100/H200, B200, RTX 5090
 _PARALLEL_UNMASK = {
     "logits": "*fp32", "ids": "*i64", "positions": "*i64", "count": "*i64", "threshold": "*fp32",
     "factor": "*fp32", "temperature": "*fp32", "seed": "*i64", "step": "*i64", "measure": "*i64",
-    "W": "i32", "V": "i32", "mask_id": "i32",
+    "edit_threshold": "*fp32", "editable": "*i1", "W": "i32", "V": "i32", "mask_id": "i32",
     "new_ids": "*i64", "confidence": "*fp32", "commit": "*i1", "committed": "*i64",
 }
 # The non-constexpr arguments of each kernel, in order, with Triton's type names.
 SIGNATURES = {
     "parallel_unmask_kernel": _PARALLEL_UNMASK,
     "position_kernel": {name: _PARALLEL_UNMASK[name] for name in (
-        "logits", "ids", "positions", "seed", "step", "temperature", "measure", "W", "V", "mask_id", "new_ids",
-        "confidence")},
+        "logits", "ids", "positions", "seed", "step", "temperature", "measure", "edit_threshold", "editable", "W",
+        "V", "mask_id", "new_ids", "confidence")},
     "commit_kernel": {name: _PARALLEL_UNMASK[name] for name in (
         "ids", "count", "threshold", "factor", "W", "mask_id", "new_ids", "confidence", "commit", "committed")},
     "residual_kernel": {"logits": "*fp32", "embedding": "*fp32", "N": "i32", "V": "i32", "H": "i32", "z": "*fp32",

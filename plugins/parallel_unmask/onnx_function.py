@@ -9,9 +9,16 @@ Helpers are functions of their own in the same domain; a model holding the node 
 
 Inputs:  logits [B, W, V] float, ids [B, W] int64, positions [B, W] int64, count [B] int64,
          threshold [B] float, factor [B] float, temperature [B] float, seed [B] int64, step [B] int64,
-         measure [B] int64 (MEASURE_CODES)
+         measure [B] int64 (MEASURE_CODES), edit_threshold [B] float, editable [B, W] bool
 Outputs: ids [B, W] int64, confidence [B, W] float, commit [B, W] bool, committed [B] int64
 Attributes: mask_id (int), plugin_namespace (string), plugin_version (string)
+
+Versions: `PLUGIN_VERSION` is the version of the op's interface. Plans and engine manifests record
+it, so an engine built for another interface is refused; version 2 added token editing
+(`edit_threshold`, `editable`). Graphs exported before it carry the version 1 function in their
+own file, so ONNX Runtime still runs them. The node's `plugin_version` attribute is TensorRT's
+registry version instead: `tensorrt.plugin` registers every plugin as version "1", and the parser
+looks a plugin up by that attribute.
 """
 
 
@@ -23,8 +30,10 @@ from onnxscript.values import Opset
 DOMAIN = "dlmrt"
 OP_TYPE = "ParallelUnmask"
 VERSION = 1
-PLUGIN_VERSION = "1"
-INPUTS = ("logits", "ids", "positions", "count", "threshold", "factor", "temperature", "seed", "step", "measure")
+PLUGIN_VERSION = "2"
+TENSORRT_PLUGIN_VERSION = "1"
+INPUTS = ("logits", "ids", "positions", "count", "threshold", "factor", "temperature", "seed", "step", "measure",
+          "edit_threshold", "editable")
 OUTPUTS = ("new_ids", "confidence", "commit", "committed")
 
 dlmrt = Opset(DOMAIN, VERSION)
@@ -59,8 +68,8 @@ def ParallelUnmaskUniform(row_hash: INT64, index: INT64) -> DOUBLE:
 
 @script(dlmrt)
 def ParallelUnmask(logits: FLOAT, ids: INT64, positions: INT64, count: INT64, threshold: FLOAT, factor: FLOAT,
-                   temperature: FLOAT, seed: INT64, step: INT64, measure: INT64,
-                   mask_id: int) -> (INT64, FLOAT, BOOL, INT64):
+                   temperature: FLOAT, seed: INT64, step: INT64, measure: INT64, edit_threshold: FLOAT,
+                   editable: BOOL, mask_id: int) -> (INT64, FLOAT, BOOL, INT64):
     mask_token = op.Constant(value_int=mask_id)
     vocab = op.Shape(logits, start=-1)
     width = op.Shape(ids, start=-1)
@@ -110,7 +119,11 @@ def ParallelUnmask(logits: FLOAT, ids: INT64, positions: INT64, count: INT64, th
     slots = op.Expand(op.Range(0, op.Squeeze(width), 1), op.Shape(order))
     rank = op.ScatterElements(op.ConstantOfShape(op.Shape(order), value=[0]), order, slots, axis=-1)
     commit = op.And(op.Less(rank, op.Unsqueeze(k, [1])), is_masked)
-    return op.Where(commit, x0, ids), conf, commit, k
+
+    # token editing: overwrite committed positions whose candidate differs and is likely enough
+    confident = op.GreaterOrEqual(prob, op.Unsqueeze(edit_threshold, [1]))
+    edit = op.And(op.And(editable, op.Not(is_masked)), op.And(op.Not(op.Equal(x0, ids)), confident))
+    return op.Where(op.Or(commit, edit), x0, ids), conf, commit, k
 
 
 def function_protos() -> list[onnx.FunctionProto]:
@@ -122,7 +135,8 @@ def function_protos() -> list[onnx.FunctionProto]:
 def schema() -> onnx.defs.OpSchema:
     FormalParameter = onnx.defs.OpSchema.FormalParameter
     types = {"logits": "tensor(float)", "threshold": "tensor(float)", "factor": "tensor(float)",
-             "temperature": "tensor(float)", "confidence": "tensor(float)", "commit": "tensor(bool)"}
+             "temperature": "tensor(float)", "edit_threshold": "tensor(float)", "editable": "tensor(bool)",
+             "confidence": "tensor(float)", "commit": "tensor(bool)"}
     return onnx.defs.OpSchema(
         OP_TYPE, DOMAIN, VERSION,
         doc="One parallel unmasking step of a diffusion language model (dlmrt).",
@@ -149,7 +163,7 @@ def register_schema() -> None:
 
 def node(inputs: list[str], outputs: list[str], mask_id: int, name: str = "parallel_unmask") -> onnx.NodeProto:
     return onnx.helper.make_node(OP_TYPE, inputs, outputs, name=name, domain=DOMAIN, mask_id=mask_id,
-                                 plugin_namespace=DOMAIN, plugin_version=PLUGIN_VERSION)
+                                 plugin_namespace=DOMAIN, plugin_version=TENSORRT_PLUGIN_VERSION)
 
 
 def standalone_model(mask_id: int, opset: int = 18) -> onnx.ModelProto:
@@ -157,9 +171,10 @@ def standalone_model(mask_id: int, opset: int = 18) -> onnx.ModelProto:
     make = onnx.helper.make_tensor_value_info
     elem = {"logits": onnx.TensorProto.FLOAT, "threshold": onnx.TensorProto.FLOAT,
             "factor": onnx.TensorProto.FLOAT, "temperature": onnx.TensorProto.FLOAT,
+            "edit_threshold": onnx.TensorProto.FLOAT, "editable": onnx.TensorProto.BOOL,
             "confidence": onnx.TensorProto.FLOAT, "commit": onnx.TensorProto.BOOL}
     shape = {"logits": ["B", "W", "V"], "ids": ["B", "W"], "positions": ["B", "W"], "new_ids": ["B", "W"],
-             "confidence": ["B", "W"], "commit": ["B", "W"]}
+             "confidence": ["B", "W"], "commit": ["B", "W"], "editable": ["B", "W"]}
     value = lambda name: make(name, elem.get(name, onnx.TensorProto.INT64), shape.get(name, ["B"]))  # noqa: E731
     graph = onnx.helper.make_graph([node(list(INPUTS), list(OUTPUTS), mask_id)], "parallel_unmask",
                                    [value(n) for n in INPUTS], [value(n) for n in OUTPUTS])
@@ -177,8 +192,8 @@ _nodes = _NodeOpset(DOMAIN, VERSION)
 
 
 def parallel_unmask_translation(logits, ids, positions, count, threshold, factor, temperature, seed, step,
-                                measure, mask_id: int):
+                                measure, edit_threshold, editable, mask_id: int):
     """How torch.onnx.export writes `torch.ops.dlmrt.parallel_unmask` (traced, not scripted): as one
     dlmrt node; `attach` adds its function and plugin attributes after export."""
     return _nodes.ParallelUnmask(logits, ids, positions, count, threshold, factor, temperature, seed, step,
-                                 measure, mask_id=mask_id)
+                                 measure, edit_threshold, editable, mask_id=mask_id)

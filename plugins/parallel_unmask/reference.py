@@ -13,6 +13,15 @@ scores it, and commits some of the still-masked positions:
     k       = min(masked, max(count, #{conf >= threshold}, factor_prefix))
     commit  = the k most confident masked positions (ties: the earlier position first)
 
+With `edits` (LLaDA2.1's token-to-token editing), a step also overwrites committed tokens:
+
+    edit    = editable & not masked & (x0 != id) & (p(x0) >= edit_threshold)
+
+with p the probability under every confidence measure, `editable` the positions the caller lets
+a step change (LLaDA2.1: the block's generated positions, never the prompt or padding) and an
+infinite threshold for a row that does not edit. An edit never puts a mask back. LLaDA2.1's
+`p > tau_edit` is `strictly_above(tau_edit)`.
+
 `factor_prefix` is Fast-dLLM's factor rule: the longest prefix of the
 confidence-sorted masked positions with `(n + 1) * (1 - c_n) < factor`
 (n = 1, 2, ...); a factor of 0 turns it off. Every policy is a setting of
@@ -56,10 +65,17 @@ class UnmaskParams(NamedTuple):
     step: Tensor  # int64: the row's step counter, so each step draws fresh numbers
 
 
+class EditParams(NamedTuple):
+    """Token editing: which committed positions a step may overwrite, and when."""
+
+    threshold: Tensor  # [B] float32: overwrite where p(x0) >= threshold; inf turns editing off
+    editable: Tensor  # [B, W] bool
+
+
 class UnmaskResult(NamedTuple):
     ids: Tensor  # [B, W] the block's ids after committing
     confidence: Tensor  # [B, W] float32, -inf where the position was not masked
-    commit: Tensor  # [B, W] bool, the positions committed by this step
+    commit: Tensor  # [B, W] bool, the masked positions committed by this step (edits are not counted)
     committed: Tensor  # [B] int64, how many
 
 
@@ -153,10 +169,18 @@ def commit_count(ranked: Tensor, masked: Tensor, params: UnmaskParams) -> Tensor
     return torch.minimum(masked, wanted)
 
 
+def edits_of(logits: Tensor, ids: Tensor, x0: Tensor, edits: EditParams, mask_id: int) -> Tensor:
+    """`[B, W]` bool: the committed positions a step overwrites with x0."""
+    p = F.softmax(logits, dim=-1).gather(-1, x0[..., None]).squeeze(-1)
+    return edits.editable & (ids != mask_id) & (x0 != ids) & (p >= edits.threshold[:, None])
+
+
 def parallel_unmask(logits: Tensor, ids: Tensor, positions: Tensor, params: UnmaskParams, *,
-                    mask_id: int, confidence: str | Tensor = "prob", sampling: bool | None = None) -> UnmaskResult:
+                    mask_id: int, confidence: str | Tensor = "prob", sampling: bool | None = None,
+                    edits: EditParams | None = None) -> UnmaskResult:
     """One step: logits `[B, W, V]` (float32), ids and positions `[B, W]`, params `[B]` each.
-    `sampling`: whether any row has temperature > 0, when the caller knows (saves a device sync)."""
+    `sampling`: whether any row has temperature > 0, when the caller knows (saves a device sync).
+    `edits`: token editing (None: a step never changes a committed token)."""
     is_masked = ids == mask_id
     x0 = candidates(logits, params, positions, mask_id, sampling)
     conf = confidence_of(logits, x0, confidence, params, positions, mask_id)
@@ -166,4 +190,5 @@ def parallel_unmask(logits: Tensor, ids: Tensor, positions: Tensor, params: Unma
     rank = torch.empty_like(order).scatter_(-1, order, torch.arange(ids.shape[-1], device=ids.device)
                                             .expand_as(order))
     commit = (rank < k[:, None]) & is_masked
-    return UnmaskResult(torch.where(commit, x0, ids), conf, commit, k)
+    changed = commit if edits is None else commit | edits_of(logits, ids, x0, edits, mask_id)
+    return UnmaskResult(torch.where(changed, x0, ids), conf, commit, k)

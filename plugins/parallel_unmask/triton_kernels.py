@@ -7,10 +7,12 @@ Kernels (the semantics are `reference.py`; the tests hold them to it):
   an online softmax (running max, sum of exponentials, and the sum that gives the entropy), the
   argmax and the top two logits without the mask token; rows with temperature > 0 take a second
   pass for LLaDA's Gumbel-max in float64. It writes the candidate x0 into `new_ids` and the
-  confidence (-inf where the position is not masked).
+  confidence (-inf where the position is not masked). A committed position is read only where the
+  row edits and the position is editable; `new_ids` then gets its id after editing.
 - `commit_kernel`, one program per row: each position's rank in the stable descending sort of
   the confidences (ties to the earlier position), k = min(masked, max(count, #{c >= threshold},
-  factor prefix)), then `new_ids`, `commit` and `committed`.
+  factor prefix)), then `new_ids` (committed positions keep what the position kernel wrote),
+  `commit` and `committed`.
 - `parallel_unmask_kernel`: both in one launch, one program per row. TensorRT's AOT plugin
   launches a single kernel, so the engine runs this one; its arguments are ordered as the plugin
   passes them (the node's inputs, the extra scalars, the outputs).
@@ -30,7 +32,7 @@ from torch import Tensor
 
 from dlmrt.errors import KernelInputError, MissingExtraError
 from dlmrt.plugins.parallel_unmask.reference import (_MULTIPLIERS, _RANDOM_CONFIDENCE_SALT, MEASURE_CODES,
-                                                     UnmaskParams, UnmaskResult)
+                                                     EditParams, UnmaskParams, UnmaskResult)
 
 try:
     import triton
@@ -136,14 +138,19 @@ def _sample(row, V, end, mask_id, row_hash, temperature, BLOCK_V: tl.constexpr):
 
 
 @triton.jit
-def _unmask_position(logits, ids, positions, seed, step, temperature, measure, new_ids, confidence, b, i, V,
-                     mask_id, BLOCK_V: tl.constexpr):
-    """Candidate and confidence of the position at flat index i (row b): x0 goes to new_ids[i], where
-    the commit step keeps it or puts the old id back, the confidence to confidence[i]."""
-    is_masked = tl.load(ids + i) == mask_id
+def _unmask_position(logits, ids, positions, seed, step, temperature, measure, edit_threshold, editable, new_ids,
+                     confidence, b, i, V, mask_id, BLOCK_V: tl.constexpr):
+    """Candidate and confidence of the position at flat index i (row b): for a masked position x0 goes
+    to new_ids[i], where the commit step keeps it or puts the old id back; a committed one gets its
+    id after editing. The confidence goes to confidence[i]."""
+    old = tl.load(ids + i)
+    is_masked = old == mask_id
+    edit_tau = tl.load(edit_threshold + b)
+    may_edit = (tl.load(editable + i) != 0) & (edit_tau < float("inf")) & (is_masked == 0)
+    reads = is_masked | may_edit
     row = logits + i.to(tl.int64) * V
     row_hash = _row_hash(tl.load(seed + b), tl.load(step + b), tl.load(positions + i))
-    end = tl.where(is_masked, V, 0)  # a position that is not masked reads nothing
+    end = tl.where(reads, V, 0)  # a committed position that cannot be edited reads nothing
 
     m = tl.full((), float("-inf"), tl.float32)
     s = tl.full((), 0.0, tl.float32)
@@ -168,8 +175,8 @@ def _unmask_position(logits, ids, positions, seed, step, temperature, measure, n
     if temp > 0:
         x0 = _sample(row, V, end, mask_id, row_hash, temp, BLOCK_V)
 
-    m = tl.where(is_masked, m, 0.0)
-    log_s = tl.log(tl.where(is_masked, s, 1.0))
+    m = tl.where(reads, m, 0.0)
+    log_s = tl.log(tl.where(reads, s, 1.0))
     prob = tl.exp((tl.load(row + x0) - m) - log_s)
     margin = tl.exp((best - m) - log_s) - tl.exp((second - m) - log_s)
     entropy = log_s - t / tl.exp(log_s)
@@ -178,7 +185,8 @@ def _unmask_position(logits, ids, positions, seed, step, temperature, measure, n
     conf = tl.where(code == _PROB, prob,
                     tl.where(code == _MARGIN, margin,
                              tl.where(code == _ENTROPY, certainty, _random_confidence(row_hash))))
-    tl.store(new_ids + i, x0.to(tl.int64))
+    edited = may_edit & (x0.to(tl.int64) != old) & (prob >= edit_tau)
+    tl.store(new_ids + i, tl.where(is_masked | edited, x0.to(tl.int64), old))
     tl.store(confidence + i, tl.where(is_masked, conf, float("-inf")))
 
 
@@ -199,7 +207,8 @@ def _rank(confidence, row, c, offs, W, BLOCK_W: tl.constexpr):
 @triton.jit
 def _commit_row(ids, count, threshold, factor, new_ids, confidence, commit, committed, b, W, mask_id,
                 BLOCK_W: tl.constexpr):
-    """Commit the k most confident masked positions of row b (x0 waits in new_ids)."""
+    """Commit the k most confident masked positions of row b (x0 waits in new_ids; a committed
+    position's slot already holds its id after editing)."""
     row = b.to(tl.int64) * W
     tau = tl.load(threshold + b)
     f = tl.load(factor + b)
@@ -226,7 +235,7 @@ def _commit_row(ids, count, threshold, factor, new_ids, confidence, commit, comm
         old = tl.load(ids + row + offs, mask=valid, other=0)
         chosen = (_rank(confidence, row, c, offs, W, BLOCK_W) < k) & (old == mask_id) & valid
         x0 = tl.load(new_ids + row + offs, mask=valid, other=0)
-        tl.store(new_ids + row + offs, tl.where(chosen, x0, old), mask=valid)
+        tl.store(new_ids + row + offs, tl.where(chosen | (old != mask_id), x0, old), mask=valid)
         tl.store(commit + row + offs, chosen, mask=valid)
     tl.store(committed + b, k)
 
@@ -234,11 +243,11 @@ def _commit_row(ids, count, threshold, factor, new_ids, confidence, commit, comm
 # -- kernels -------------------------------------------------------------------------------------
 
 @triton.jit
-def position_kernel(logits, ids, positions, seed, step, temperature, measure, W, V, mask_id, new_ids, confidence,
-                    BLOCK_V: tl.constexpr):
+def position_kernel(logits, ids, positions, seed, step, temperature, measure, edit_threshold, editable, W, V, mask_id,
+                    new_ids, confidence, BLOCK_V: tl.constexpr):
     i = tl.program_id(0)
-    _unmask_position(logits, ids, positions, seed, step, temperature, measure, new_ids, confidence, i // W, i, V,
-                     mask_id, BLOCK_V)
+    _unmask_position(logits, ids, positions, seed, step, temperature, measure, edit_threshold, editable, new_ids,
+                     confidence, i // W, i, V, mask_id, BLOCK_V)
 
 
 @triton.jit
@@ -249,13 +258,13 @@ def commit_kernel(ids, count, threshold, factor, W, mask_id, new_ids, confidence
 
 
 @triton.jit
-def parallel_unmask_kernel(logits, ids, positions, count, threshold, factor, temperature, seed, step, measure, W, V,
-                           mask_id, new_ids, confidence, commit, committed, BLOCK_V: tl.constexpr,
-                           BLOCK_W: tl.constexpr):
+def parallel_unmask_kernel(logits, ids, positions, count, threshold, factor, temperature, seed, step, measure,
+                           edit_threshold, editable, W, V, mask_id, new_ids, confidence, commit, committed,
+                           BLOCK_V: tl.constexpr, BLOCK_W: tl.constexpr):
     b = tl.program_id(0)
     for w in range(0, W):
-        _unmask_position(logits, ids, positions, seed, step, temperature, measure, new_ids, confidence, b, b * W + w,
-                         V, mask_id, BLOCK_V)
+        _unmask_position(logits, ids, positions, seed, step, temperature, measure, edit_threshold, editable, new_ids,
+                         confidence, b, b * W + w, V, mask_id, BLOCK_V)
     tl.debug_barrier()  # the commit reads what every thread of the program wrote
     _commit_row(ids, count, threshold, factor, new_ids, confidence, commit, committed, b, W, mask_id, BLOCK_W)
 
@@ -292,11 +301,12 @@ def _block(size: int, limit: int, floor: int = 16) -> int:
 
 
 def parallel_unmask(logits: Tensor, ids: Tensor, positions: Tensor, params: UnmaskParams, mask_id: int,
-                    measure_codes: Tensor, *, fused: bool = False, block_v: int | None = None,
-                    block_w: int | None = None) -> UnmaskResult:
+                    measure_codes: Tensor, *, edits: EditParams | None = None, fused: bool = False,
+                    block_v: int | None = None, block_w: int | None = None) -> UnmaskResult:
     """One `dlmrt::ParallelUnmask` step (reference.parallel_unmask): logits [B, W, V] float32, ids and
-    positions [B, W] int64, params [B] each, measure_codes [B] int64 (MEASURE_CODES). `fused` runs
-    the single kernel TensorRT's plugin runs; `block_v` / `block_w` override the tile sizes."""
+    positions [B, W] int64, params [B] each, measure_codes [B] int64 (MEASURE_CODES), `edits` as the
+    reference's (None: no editing). `fused` runs the single kernel TensorRT's plugin runs; `block_v` /
+    `block_w` override the tile sizes."""
     _check(isinstance(logits, Tensor) and logits.dim() == 3, "logits must be a [B, W, V] tensor")
     _check(logits.dtype == torch.float32, f"logits must be torch.float32, got {logits.dtype}")
     batch, width, vocab = logits.shape
@@ -312,10 +322,16 @@ def parallel_unmask(logits: Tensor, ids: Tensor, positions: Tensor, params: Unma
     for name, dtype in row_dtypes.items():
         _check_tensor(name, getattr(params, name), (batch,), dtype, device)
     _check_tensor("measure_codes", measure_codes, (batch,), torch.int64, device)
+    if edits is None:
+        edits = EditParams(torch.full((batch,), float("inf"), device=device),
+                           torch.zeros(batch, width, dtype=torch.bool, device=device))
+    _check_tensor("edit threshold", edits.threshold, (batch,), torch.float32, device)
+    _check_tensor("editable", edits.editable, (batch, width), torch.bool, device)
     _check_device(device)
 
     logits, ids, positions, measure_codes = (t.contiguous() for t in (logits, ids, positions, measure_codes))
     count, threshold, factor, temperature, seed, step = (t.contiguous() for t in params)
+    edit_threshold, editable = (t.contiguous() for t in edits)
     new_ids = torch.empty_like(ids)
     confidence = torch.empty(ids.shape, dtype=torch.float32, device=device)
     commit = torch.empty(ids.shape, dtype=torch.bool, device=device)
@@ -327,13 +343,13 @@ def parallel_unmask(logits: Tensor, ids: Tensor, positions: Tensor, params: Unma
         bw = block_w or _block(width, CONFIGS["commit_kernel"].constexprs["BLOCK_W"])
         if fused:
             parallel_unmask_kernel[(batch,)](
-                logits, ids, positions, count, threshold, factor, temperature, seed, step, measure_codes, width, vocab,
-                mask_id, new_ids, confidence, commit, committed, BLOCK_V=bv, BLOCK_W=bw, num_warps=config.num_warps,
-                enable_fp_fusion=False)
+                logits, ids, positions, count, threshold, factor, temperature, seed, step, measure_codes,
+                edit_threshold, editable, width, vocab, mask_id, new_ids, confidence, commit, committed, BLOCK_V=bv,
+                BLOCK_W=bw, num_warps=config.num_warps, enable_fp_fusion=False)
         else:
             position_kernel[(batch * width,)](
-                logits, ids, positions, seed, step, temperature, measure_codes, width, vocab, mask_id, new_ids,
-                confidence, BLOCK_V=bv, num_warps=config.num_warps, enable_fp_fusion=False)
+                logits, ids, positions, seed, step, temperature, measure_codes, edit_threshold, editable, width, vocab,
+                mask_id, new_ids, confidence, BLOCK_V=bv, num_warps=config.num_warps, enable_fp_fusion=False)
             commit_kernel[(batch,)](
                 ids, count, threshold, factor, width, mask_id, new_ids, confidence, commit, committed, BLOCK_W=bw,
                 num_warps=CONFIGS["commit_kernel"].num_warps, enable_fp_fusion=False)

@@ -5,6 +5,9 @@ TensorRT the PTX of `triton_kernels.parallel_unmask_kernel` compiled for the bui
 so a serialized engine runs the kernel without Python. The TensorRT ONNX parser maps a
 `dlmrt::ParallelUnmask` node to this plugin by its `plugin_namespace` attribute.
 
+Version 2 of the op's interface (token editing) adds `edit_threshold` and `editable` (BOOL, one
+byte per element) after `measure`.
+
 Types: the I/O keep the ONNX node's types. TensorRT 10 has INT64 tensors and plugins take them, so
 ids, positions, count, seed, step, measure, new_ids and committed stay int64 and the graph needs no
 casts; `commit` is BOOL, one byte per element as the kernel writes it. Kernel scalars can only be
@@ -35,9 +38,9 @@ def register_plugin(onnx_function, define) -> None:
     plugin = f"{onnx_function.DOMAIN}::{onnx_function.OP_TYPE}"
     if plugin in _registered:
         return
-    if onnx_function.PLUGIN_VERSION != "1":
+    if onnx_function.TENSORRT_PLUGIN_VERSION != "1":
         raise RuntimeError(f"tensorrt.plugin registers version 1, the ONNX node of {plugin} asks for "
-                           f"{onnx_function.PLUGIN_VERSION}")
+                           f"{onnx_function.TENSORRT_PLUGIN_VERSION}")
     define(*tensorrt_modules(plugin), plugin)
     _registered.add(plugin)
 
@@ -66,15 +69,15 @@ def _define(trt, trtp, name: str) -> None:
 
     @trtp.register(name)
     def describe(logits: Desc, ids: Desc, positions: Desc, count: Desc, threshold: Desc, factor: Desc,
-                 temperature: Desc, seed: Desc, step: Desc, measure: Desc,
+                 temperature: Desc, seed: Desc, step: Desc, measure: Desc, edit_threshold: Desc, editable: Desc,
                  mask_id: int) -> Tuple[Desc, Desc, Desc, Desc]:
         return (ids.like(), trtp.from_shape_expr(ids.shape_expr, dtype=trt.float32),
                 trtp.from_shape_expr(ids.shape_expr, dtype=trt.bool), count.like())
 
     @trtp.aot_impl(name)
     def compiled(logits: Desc, ids: Desc, positions: Desc, count: Desc, threshold: Desc, factor: Desc,
-                 temperature: Desc, seed: Desc, step: Desc, measure: Desc, mask_id: int,
-                 outputs: Tuple[Desc], tactic: int):
+                 temperature: Desc, seed: Desc, step: Desc, measure: Desc, edit_threshold: Desc, editable: Desc,
+                 mask_id: int, outputs: Tuple[Desc], tactic: int):
         kernel = aot.compile_kernel("parallel_unmask_kernel", _build_target())
         launch = trtp.KernelLaunchParams()
         launch.grid_x = ids.shape_expr[0]  # one program per row

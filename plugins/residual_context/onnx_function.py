@@ -21,6 +21,7 @@ DOMAIN = "dlmrt"
 OP_TYPE = "ResidualContext"
 VERSION = 1
 PLUGIN_VERSION = "1"
+TENSORRT_PLUGIN_VERSION = "1"  # the registry version of every tensorrt.plugin plugin (see ParallelUnmask's)
 INPUTS = ("logits", "embedding")
 OUTPUTS = ("z", "certainty")
 
@@ -66,7 +67,7 @@ def register_schema() -> None:
 
 def node(inputs: list[str], outputs: list[str], name: str = "residual_context") -> onnx.NodeProto:
     return onnx.helper.make_node(OP_TYPE, inputs, outputs, name=name, domain=DOMAIN, plugin_namespace=DOMAIN,
-                                 plugin_version=PLUGIN_VERSION)
+                                 plugin_version=TENSORRT_PLUGIN_VERSION)
 
 
 def standalone_model(logits_dtype: str = "float32", embedding_dtype: str = "float32",
