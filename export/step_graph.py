@@ -98,7 +98,7 @@ class StepGraph(nn.Module):
                 certainty: Tensor | None = None, cfg_scale: Tensor | None = None) -> tuple[Tensor, ...]:
         mask_id = self.model.tokens.mask_id
         model_ids, model_positions = ids, positions
-        block_key_mask = key_mask.index_select(1, block_index)
+        window_key_mask = key_mask  # before the cache's joins it
         if self.cached:
             key_mask = torch.cat((past_key_mask, key_mask), dim=1)
         if self.guided:
@@ -118,16 +118,19 @@ class StepGraph(nn.Module):
             logits = uncond + (cfg_scale + 1) * (cond - uncond)
         block_ids, block_positions = ids.index_select(1, block_index), positions.index_select(1, block_index)
         params = UnmaskParams(count, threshold, factor, temperature, seed, step)
-        edits = EditParams(edit_threshold, block_key_mask & (block_positions >= prompt_lengths[:, None]))
+        edits = None  # only built where some row may edit: the step loop's default pays nothing for it
+        if exporting or self.editing:
+            editable = window_key_mask.index_select(1, block_index) & (block_positions >= prompt_lengths[:, None])
+            edits = EditParams(edit_threshold, editable)
         if exporting:
             unmasked = torch.ops.dlmrt.parallel_unmask(logits, block_ids, block_positions, *params, measure, *edits,
                                                        mask_id)
         elif self.triton_kernels is not None:
             unmasked = self.triton_kernels.parallel_unmask(logits, block_ids, block_positions, params, mask_id, measure,
-                                                           edits=edits if self.editing else None)
+                                                           edits=edits)
         else:
             unmasked = parallel_unmask(logits, block_ids, block_positions, params, mask_id=mask_id,
                                        confidence=self.confidence or measure, sampling=self.sampling,
-                                       edits=edits if self.editing else None)
+                                       edits=edits)
         extra = (out.residual.z, out.residual.certainty) if self.residual else ()
         return (*unmasked, out.kv, *extra)

@@ -182,7 +182,7 @@ class _Run:
         self.stops_at_eos = not settings.ignore_eos and len(spec.eos_ids) > 0
         self.stop_ids = (*spec.eos_ids, spec.mask_id)  # a completion ends at EOS, or where decoding stopped
         self.sampling = settings.temperature > 0
-        self.editing = policy.edit_threshold_value < float("inf")
+        self.editing = policy.edits
 
     # -- the loop ---------------------------------------------------------------------------
     def events(self) -> Iterator[BlockUpdate]:

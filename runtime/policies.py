@@ -67,6 +67,11 @@ class Policy(ABC):
     edit_threshold_value: float = math.inf  # overwrite committed tokens with p(x0) >= this; inf: never
     post_steps: int = 0  # editing-only steps a block may take once it has no mask
 
+    @property
+    def edits(self) -> bool:
+        """Whether the policy overwrites committed tokens (token editing)."""
+        return self.edit_threshold_value < math.inf
+
     def validate(self, settings: GenerationSettings) -> None:
         """Raise ArgumentError for parameters that cannot work, before any compute."""
 
@@ -221,7 +226,7 @@ class LLaDA21(Policy):
     name: ClassVar[str] = "llada21"
 
     @property
-    def edits(self) -> bool:
+    def edits(self) -> bool:  # type: ignore[override]
         return self.edit_threshold < 1
 
     @property

@@ -87,7 +87,7 @@ def check_request(spec: ModelSpec, prompts: Sequence[Sequence[int]], settings: G
     if isinstance(settings.policy, Residual) and not spec.has_residual:
         raise ArgumentError(f"policy 'residual' needs an ORL model (a residual_context entry in "
                             f"config.json); {spec.name} has none: use --policy threshold or factor")
-    if settings.policy.edit_threshold_value < float("inf") and not spec.supports_editing:
+    if settings.policy.edits and not spec.supports_editing:
         raise ArgumentError(f"{spec.name} was exported before token editing (its dlmrt::ParallelUnmask is v1): "
                             f"re-export it with this dlmrt (`dlmrt export`) for the llada21 policy's editing, or "
                             f"turn editing off (--editing-threshold 1)")
