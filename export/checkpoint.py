@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -86,12 +87,18 @@ def _token_ids(value: Any, source: str, field: str) -> tuple[int, ...]:
 def resolve_special_tokens(root: Path, config: Mapping[str, Any], generation: Mapping[str, Any],
                            tokenizer: Tokenizer | None, mask_id: int | None = None,
                            eos_id: int | Iterable[int] | None = None,
-                           pad_id: int | None = None) -> tuple[SpecialTokens, dict[str, str]]:
+                           pad_id: int | None = None, *, needs_mask: bool = True
+                           ) -> tuple[SpecialTokens, dict[str, str]]:
     """Mask, EOS and pad ids, each from the first place that gives it: the arguments; then
-    config.json and generation_config.json (for EOS, generation_config.json first, as Hugging
-    Face generation does); for the mask, the tokenizer's mask token. Pad falls back to EOS.
+    config.json (its `text_config` after it, where multimodal checkpoints keep the text ids) and
+    generation_config.json (for EOS, generation_config.json first, as Hugging Face generation
+    does); for the mask, the tokenizer's mask token. Pad falls back to EOS. A uniform-noise model
+    (`needs_mask=False`) has no mask token: its mask id is None unless one is given.
     Also returns where each came from ("mask", "eos", "pad" -> a file, or the arguments), for errors."""
-    sources = ((config, str(root / "config.json")), (generation, str(root / "generation_config.json")))
+    text = config.get("text_config")
+    sources = ((config, str(root / "config.json")),
+               *(((text, f"{root / 'config.json'} (text_config)"),) if isinstance(text, Mapping) else ()),
+               (generation, str(root / "generation_config.json")))
     origins = {"mask": "the arguments", "eos": "the arguments", "pad": "the arguments"}
 
     def first(field: str, role: str) -> tuple[int, ...]:
@@ -102,7 +109,7 @@ def resolve_special_tokens(root: Path, config: Mapping[str, Any], generation: Ma
                 return ids
         return ()
 
-    if mask_id is None:
+    if mask_id is None and needs_mask:
         found = first("mask_token_id", "mask")
         if found:
             mask_id = found[0]
@@ -110,7 +117,7 @@ def resolve_special_tokens(root: Path, config: Mapping[str, Any], generation: Ma
             mask_id = next((i for name in MASK_TOKEN_NAMES
                             if (i := tokenizer.token_to_id(name)) is not None), None)
             origins["mask"] = str(root / "tokenizer.json")
-    if mask_id is None:
+    if mask_id is None and needs_mask:
         raise CheckpointError(
             f"{root}: no mask token id: config.json and generation_config.json have no mask_token_id "
             f"and tokenizer.json has none of {', '.join(MASK_TOKEN_NAMES)}; pass mask_id=...")
@@ -125,6 +132,9 @@ def resolve_special_tokens(root: Path, config: Mapping[str, Any], generation: Ma
         else:
             pad_id, origins["pad"] = (eos_ids[0], f"{origins['eos']} (EOS, as no pad id is given)") if eos_ids \
                 else (mask_id, f"{origins['mask']} (the mask id, as no pad or EOS id is given)")
+    if pad_id is None:
+        raise CheckpointError(f"{root}: no pad token id: config.json and generation_config.json have no "
+                              f"pad_token_id or eos_token_id; pass pad_id=...")
     return SpecialTokens(mask_id, eos_ids, pad_id), origins
 
 
@@ -199,20 +209,29 @@ def load(path: str | os.PathLike, *, dtype: str | torch.dtype = "float32", devic
     root = Path(path)
     raw = read_config(root)
     source = str(root / "config.json")
-    models.family_of(raw, source)
+    family = models.family_of(raw, source)
     torch_dtype = resolve_dtype(dtype, raw)
     tokenizer = load_tokenizer(root)
     generation = generation_config.read(root)
-    tokens, origins = resolve_special_tokens(root, raw, generation, tokenizer, mask_id, eos_id, pad_id)
+    tokens, origins = resolve_special_tokens(root, raw, generation, tokenizer, mask_id, eos_id, pad_id,
+                                             needs_mask=family.model_class.noise == "mask")
     model = models.build(raw, source, tokens, dtype=torch_dtype, device=device, token_origins=origins)
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     files = tensor_files(root)
+    ignored = {name for name in files if name.startswith(model.ignored_tensor_prefixes)}
+    if ignored:
+        parts = sorted({p for p in model.ignored_tensor_prefixes if any(n.startswith(p) for n in ignored)})
+        warnings.warn(f"{root}: {len(ignored)} tensors of parts dlmrt does not run are not loaded (under "
+                      f"{', '.join(parts)}): the {family.model_type} family runs text only", stacklevel=2)
+        files = {name: path for name, path in files.items() if name not in ignored}
     _check_weights(root, expected, files, raw["model_type"])
 
     state = {}
     for shard in sorted(set(files.values())):
         with _open(shard) as f:
             for name in f.keys():
+                if name in ignored:
+                    continue
                 state[name] = tensor = f.get_tensor(name).to(device=device, dtype=torch_dtype)
                 _require_finite(tensor, name, shard)
     model.load_state_dict(state, strict=True, assign=True)

@@ -57,7 +57,7 @@ def test_config_that_is_not_json(llada_dir):
 
 @pytest.mark.parametrize("changes, error, message", [
     ({"model_type": "gpt2"}, UnsupportedFeatureError,
-     r"model_type 'gpt2' is not supported \(supported: llada, llada2_moe, Dream, sdar\)"),
+     r"model_type 'gpt2' is not supported \(supported: llada, llada2_moe, Dream, sdar, diffusion_gemma\)"),
     ({"model_type": ...}, CheckpointError, "required field 'model_type' is missing"),
     ({"n_layers": ...}, CheckpointError, r"config.json: required field 'n_layers' is missing \(expected an integer\)"),
     ({"n_heads": "4"}, CheckpointError, r"field 'n_heads' must be an integer, got \"4\" \(str\)"),

@@ -16,7 +16,7 @@ from torch import nn
 
 from dlmrt import limits
 from dlmrt.errors import CheckpointError, UnsupportedFeatureError
-from dlmrt.export.models import dream, llada, llada2_moe, residual, sdar
+from dlmrt.export.models import diffusion_gemma, dream, llada, llada2_moe, residual, sdar
 from dlmrt.export.models.denoiser import Denoiser, DenoiserOutput, PastKV, SpecialTokens
 from dlmrt.export.models.layers import RMSNorm
 from dlmrt.export.models.residual import Residual
@@ -40,6 +40,8 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
            llada2_moe.parameter_count),
     Family("Dream", "DreamModel", dream.parse_config, dream.Dream, dream.parameter_count),
     Family("sdar", "SDARForCausalLM", sdar.parse_config, sdar.SDAR, sdar.parameter_count),
+    Family("diffusion_gemma", "DiffusionGemmaForBlockDiffusion", diffusion_gemma.parse_config,
+           diffusion_gemma.DiffusionGemma, diffusion_gemma.parameter_count),
 )}
 
 
@@ -81,7 +83,7 @@ def build(raw: Mapping[str, Any], source: str, tokens: SpecialTokens | None, *,
         origins = token_origins or {}
         for name, value in (("mask", tokens.mask_id), ("pad", tokens.pad_id),
                             *(("eos", e) for e in tokens.eos_ids)):
-            if not 0 <= value < model.vocab_size:
+            if value is not None and not 0 <= value < model.vocab_size:
                 raise CheckpointError(f"{origins.get(name, source)}: the {name} token id {value} lies outside the "
                                       f"vocabulary [0, {model.vocab_size}) of {source}")
         clashes = [name for name, value in (("pad", tokens.pad_id), *(("eos", e) for e in tokens.eos_ids))
@@ -108,14 +110,24 @@ def create(raw: Mapping[str, Any], *, tokens: SpecialTokens | None = None, seed:
         for tensor in model.state_dict().values():
             tensor.fill_(float("nan"))  # what the loop below misses stays NaN, and is caught after it
         for module in model.modules():
-            if isinstance(module, RMSNorm):
-                module.weight.fill_(1.0)
+            if isinstance(module, (RMSNorm, diffusion_gemma.GemmaRMSNorm)):
+                if module.weight is not None:
+                    module.weight.fill_(1.0)
+            elif isinstance(module, diffusion_gemma.Router):
+                module.scale.fill_(1.0)
+                module.per_expert_scale.fill_(1.0)
+            elif isinstance(module, diffusion_gemma.Experts):
+                module.gate_up_proj.normal_(0.0, init_std, generator=generator)
+                module.down_proj.normal_(0.0, init_std, generator=generator)
             elif isinstance(module, (nn.Linear, nn.Embedding, llada2_moe.Router)):
                 module.weight.normal_(0.0, init_std, generator=generator)
                 if getattr(module, "bias", None) is not None:
                     module.bias.zero_()
                 if isinstance(module, llada2_moe.Router):
                     module.expert_bias.zero_()
+        for name, buffer in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                buffer.fill_(1.0)
         if model.residual_config is not None:
             model.residual_adapter().output_layer().weight.zero_()
         missed = [name for name, tensor in model.state_dict().items() if not torch.isfinite(tensor).all()]

@@ -24,7 +24,7 @@ from dlmrt.export.models.residual import Residual, ResidualConfig
 
 
 class SpecialTokens(NamedTuple):
-    mask_id: int
+    mask_id: int | None  # None for uniform-noise families, which have no mask token
     eos_ids: tuple[int, ...]
     pad_id: int
 
@@ -54,6 +54,12 @@ class Denoiser(nn.Module, ABC):
     # How many positions before its own a position's raw logits sit (the family's `denoise` undoes
     # it): with a cached prefix, a window then needs this many positions of look-behind.
     logits_shift: ClassVar[int] = 0
+    # What a position not yet decoded holds: "mask" (the mask token, every mask-based policy) or
+    # "uniform" (a uniformly random token, refilled each step: DiffusionGemma).
+    noise: ClassVar[str] = "mask"
+    # Checkpoint tensors under these prefixes belong to parts dlmrt does not run (an image tower):
+    # the loader skips them, with a note, rather than calling them unexpected.
+    ignored_tensor_prefixes: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, config: Any, residual_config: ResidualConfig | None, tokens: SpecialTokens | None):
         super().__init__()
