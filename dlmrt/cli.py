@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 DTYPE_CHOICES = ("float32", "bfloat16", "float16", "fp32", "bf16", "fp16", "auto")
 # Kept here (not imported from dlmrt.runtime) so that `dlmrt --help` does not import torch.
-POLICY_NAMES = ("fixed", "threshold", "factor", "llada2", "llada21", "residual")
+POLICY_NAMES = ("fixed", "threshold", "factor", "llada2", "llada21", "residual", "entropy_bound")
 LLADA21_PRESET_NAMES = ("quality", "speed")
 CACHE_NAMES = ("none", "prefix", "dual")
 MODE_NAMES = ("auto", "eager", "compile", "cudagraph")
@@ -74,10 +74,12 @@ DECODING_OPTIONS = {
              "--gen-length]."),
     "policy": click.option(
         "--policy", type=str, default=None,
-        help=f"Decoding policy: {', '.join(POLICY_NAMES)} [default: llada2 for llada2_moe models, else fixed]."),
+        help=f"Decoding policy: {', '.join(POLICY_NAMES)} [default: llada2 for llada2_moe models, entropy_bound "
+             f"for uniform-noise models (diffusion_gemma), else fixed]."),
     "steps": click.option(
         "--steps", type=LENGTH, default=None,
-        help="fixed: denoising steps in all [default: --gen-length]; llada2: steps per block [default: 32]."),
+        help="fixed: denoising steps in all [default: --gen-length]; llada2: steps per block [default: 32]; "
+             "entropy_bound: at most this many steps per block [default: the model's max_denoising_steps, else 48]."),
     "remasking": click.option(
         "--remasking", type=click.Choice(("low_confidence", "random")), default="low_confidence",
         show_default=True, help="fixed: how to pick the positions committed at each step."),
@@ -104,6 +106,10 @@ DECODING_OPTIONS = {
         "--preset", type=click.Choice(LLADA21_PRESET_NAMES), default=None,
         help="llada21: LLaDA2.1's modes, quality (threshold 0.7, editing 0.5, 16 post steps) or speed "
              "(threshold 0.5, editing off); explicit options override them."),
+    "entropy_bound": click.option(
+        "--entropy-bound", type=FLOAT32, default=None,
+        help="entropy_bound: keep the lowest-entropy samples while the entropies before them sum to at most "
+             "this [default: the model's sampler_config, else 0.1]."),
     "cache": click.option(
         "--cache", type=click.Choice(CACHE_NAMES), default="none", show_default=True,
         help="K/V cache: none, prefix (the exact block cache for block-causal models) or dual."),
@@ -205,7 +211,6 @@ def open_backend(backend: str, model_dir: Path | None, *, dtype: str, mode: str,
         from dlmrt.runtime.ort_backend import OrtBackend
 
         export_dir = ensure_exported(Path(model_dir or TINY_MODEL_DIR), dtype, console)
-        # optimized graphs are kept, for faster starts after the first
         return ExportedModel.load(export_dir), OrtBackend(export_dir, device=resolve_device(backend, device),
                                                           optimized_model_dir=home() / "ort")
     device = resolve_device(backend, device)
@@ -237,17 +242,18 @@ def lengths_from_options(model, gen_length: int | None, block_length: int | None
 
 
 def settings_from_options(model, *, gen_length, block_length, policy, steps, remasking, threshold, factor,
-                          confidence, minimal_topk, editing_threshold, max_post_steps, preset, cache, max_block_steps,
-                          temperature, cfg_scale, seed, steps_per_sync, ignore_eos=False):
+                          confidence, minimal_topk, editing_threshold, max_post_steps, preset, entropy_bound, cache,
+                          max_block_steps, temperature, cfg_scale, seed, steps_per_sync, ignore_eos=False):
     """GenerationSettings from the decoding options, with defaults from the model."""
     from dlmrt.runtime import GenerationSettings, make_policy
 
     gen_length, block_length = lengths_from_options(model, gen_length, block_length)
     if policy is None:
-        policy = "llada2" if model.block_causal else "fixed"
+        policy = "entropy_bound" if model.noise == "uniform" else "llada2" if model.block_causal else "fixed"
     chosen = make_policy(policy, steps=steps, remasking=remasking, threshold=threshold, factor=factor,
                          confidence=confidence, minimal_topk=minimal_topk, editing_threshold=editing_threshold,
-                         max_post_steps=max_post_steps, preset=preset)
+                         max_post_steps=max_post_steps, preset=preset, entropy_bound=entropy_bound,
+                         generation_config=model.generation_config)
     return GenerationSettings(gen_length=gen_length, block_length=block_length, policy=chosen,
                               temperature=temperature, cfg_scale=cfg_scale, seed=seed, cache=cache,
                               ignore_eos=ignore_eos, max_block_steps=max_block_steps,
@@ -501,7 +507,7 @@ def evaluate(model_dir, data, task_names, per_task, split, data_seed, setting_sp
     base = GenerationSettings(gen_length=gen_length, block_length=block_length, policy=Fixed(),
                               temperature=temperature, seed=seed, cache=cache, steps_per_sync=steps_per_sync)
     base.validate()
-    grid = grid or evaluation.default_grid(gen_length, block_length)
+    grid = grid or evaluation.default_grid(gen_length, block_length, model.noise)
     results = run_grid(model, backend_impl, examples, base, grid, batch_size)
 
     title = f"{model.name}: {len(examples)} examples, gen-length {gen_length}, block-length {block_length}"

@@ -39,8 +39,11 @@ SETTING_KEYS: dict[str, dict[str, type]] = {
     "llada21": {"threshold": float, "editing_threshold": float, "max_post_steps": int, "preset": str},
     "dream": {"steps": int, "confidence": str},
     "residual": {"threshold": float, "factor": float, "confidence": str},
+    "entropy_bound": {"steps": int, "entropy_bound": float},
 }
 DEFAULT_THRESHOLDS = (0.5, 0.7, 0.8, 0.9, 0.95, 0.99)
+# Uniform-noise models: the public bound (0.1), tighter and far looser ones.
+DEFAULT_ENTROPY_BOUNDS = (0.01, 0.1, 0.3, 1, 3, 10)
 DEFAULT_FACTORS = (1, 2, 4, 8)
 JSONL_TASK = "jsonl"
 PLOT_INSTALL_HINT = "the plot needs matplotlib: pip install 'dlmrt[plot]'"
@@ -222,9 +225,12 @@ def _convert(label: str, key: str, value: str, kind: type) -> int | float | str:
         raise ArgumentError(f"setting {label!r}: {key} must be {noun}, got {value!r}") from None
 
 
-def default_grid(gen_length: int, block_length: int) -> list[Setting]:
+def default_grid(gen_length: int, block_length: int, noise: str = "mask") -> list[Setting]:
     """Fixed at one token per step, and at gen_length / 2 and / 4 steps where they divide into the
-    blocks; then the threshold rule at DEFAULT_THRESHOLDS and the factor rule at DEFAULT_FACTORS."""
+    blocks; then the threshold rule at DEFAULT_THRESHOLDS and the factor rule at DEFAULT_FACTORS.
+    For a uniform-noise model: the entropy bound at DEFAULT_ENTROPY_BOUNDS."""
+    if noise == "uniform":
+        return [parse_setting(f"entropy_bound:entropy_bound={b:g}") for b in DEFAULT_ENTROPY_BOUNDS]
     num_blocks = gen_length // block_length
     steps = [gen_length // k for k in (1, 2, 4)
              if gen_length % k == 0 and (gen_length // k) % num_blocks == 0]

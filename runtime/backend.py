@@ -38,7 +38,7 @@ class ModelSpec:
     num_kv_heads: int
     head_dim: int
     max_positions: int
-    mask_id: int
+    mask_id: int | None  # None for uniform-noise models
     eos_ids: tuple[int, ...]
     pad_id: int
     block_causal: bool
@@ -51,6 +51,7 @@ class ModelSpec:
     supports_guidance: bool = True
     supports_editing: bool = True  # the graphs take token editing's inputs (exports before it do not)
     logits_shift: int = 0  # Denoiser.logits_shift: a window over a cache starts this many positions early
+    noise: str = "mask"  # Denoiser.noise: "uniform" for models with no mask token (DiffusionGemma)
 
     @classmethod
     def of_export(cls, manifest: ExportManifest, export_dir: Path, device: torch.device) -> ModelSpec:

@@ -22,6 +22,7 @@ class ExportedModel:
     default_block_length: int | None
     tokenizer: Any = None
     generation_config: dict = field(default_factory=dict)
+    noise: str = "mask"  # exports of uniform-noise models are not made yet
 
     @classmethod
     def load(cls, export_dir: str | Path) -> ExportedModel:

@@ -39,6 +39,7 @@ from dlmrt.runtime.device_state import Bucket
 from dlmrt.runtime.metrics import GenerationMetrics, peak_memory_bytes, reset_peak_memory
 from dlmrt.runtime.settings import GenerationSettings, check_request
 from dlmrt.runtime.text import completion
+from dlmrt.runtime.uniform_noise import CanvasBackend, UniformNoiseRun
 
 
 class CancelToken(Protocol):
@@ -109,11 +110,16 @@ class Generator:
         """An iterator of BlockUpdates; `.result` holds the GenerationResult once it is exhausted.
         Closing the iterator early stops the computation."""
         check_request(self.spec, prompts, settings)
+        if self.spec.noise == "uniform":
+            if not isinstance(self.backend, CanvasBackend):
+                raise ArgumentError(f"the {type(self.backend).__name__} does not run uniform-noise models yet: use "
+                                    f"the torch backend for {self.spec.name}")
+            return GenerationStream(UniformNoiseRun(self.backend, prompts, settings, cancel, on_step))
         return GenerationStream(_Run(self.backend, prompts, settings, cancel, on_step))
 
 
 class GenerationStream:
-    def __init__(self, run: _Run):
+    def __init__(self, run: _Run | UniformNoiseRun):
         self._events = run.events()
         self._run = run
         self.result: GenerationResult | None = None

@@ -19,14 +19,19 @@ Changing a policy or its parameters never needs a new graph or engine.
 
 Every policy commits what is left of a block at the last step it may take, so a
 block always finishes within its step budget.
+
+Those are mask-based policies. A uniform-noise model (DiffusionGemma: no mask token, a canvas of
+random tokens) takes `entropy_bound` instead (`EntropyBound`, run by `dlmrt.runtime.uniform_noise`
+with the op `dlmrt.plugins.entropy_bound`); each kind of policy refuses the other kind of model.
 """
 
 from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -60,6 +65,8 @@ def _check_threshold(threshold: float) -> None:
 
 class Policy(ABC):
     name: ClassVar[str]
+    # What a position not yet decoded holds in the models the policy decodes (Denoiser.noise).
+    noise: ClassVar[str] = "mask"
     confidence: str
 
     threshold_value: float = math.inf
@@ -356,15 +363,79 @@ class Residual(Policy):
         return self.rule.schedule(masked, block_length, steps)
 
 
-POLICIES = ("fixed", "threshold", "factor", "llada2", "llada21", "dream", "residual")
+@dataclass(frozen=True)
+class EntropyBound(Policy):
+    """DiffusionGemma's decoding (`DiffusionGemmaGenerationMixin.generate`), for uniform-noise models.
+
+    Each block (the model's canvas) starts as uniform random tokens and takes at most `steps` decoder
+    steps. Step s scales the logits by the temperature `t_min + (t_max - t_min) * (steps - s) / steps`,
+    samples every position, keeps the samples of the lowest-entropy positions while the entropies
+    before them sum to at most `entropy_bound`, and refills the rest with random tokens. A row's
+    block ends early once its argmax has not changed for `stability_threshold` steps and its mean
+    entropy is below `confidence_threshold`; its tokens are the last argmax, and everything after the
+    first EOS becomes pad. Defaults are the public generation defaults."""
+
+    steps: int = 48
+    entropy_bound: float = 0.1
+    t_min: float = 0.4
+    t_max: float = 0.8
+    stability_threshold: int = 1
+    confidence_threshold: float = 0.005
+    name: ClassVar[str] = "entropy_bound"
+    noise: ClassVar[str] = "uniform"
+    confidence: str = "entropy"
+
+    def validate(self, settings: GenerationSettings) -> None:
+        steps = self.steps
+        if not isinstance(steps, int) or isinstance(steps, bool) or not 0 < steps <= limits.MAX_POSITIONS:
+            raise ArgumentError(f"steps must be an integer in [1, {limits.MAX_POSITIONS}], got {self.steps!r}")
+        for name in ("entropy_bound", "t_min", "t_max", "confidence_threshold"):
+            value = getattr(self, name)
+            problem = limits.float32_problem(value) if isinstance(value, (int, float)) else "must be a number"
+            if problem:
+                raise ArgumentError(f"{name.replace('_', '-')} {problem}")
+        if not self.entropy_bound > 0:
+            raise ArgumentError(f"entropy-bound must be positive, got {self.entropy_bound}")
+        if not 0 <= self.t_min < self.t_max:
+            raise ArgumentError(f"the temperatures must satisfy 0 <= t-min < t-max, got t-min {self.t_min} and "
+                                f"t-max {self.t_max}")
+        if not self.confidence_threshold > 0:
+            raise ArgumentError(f"confidence-threshold must be positive, got {self.confidence_threshold}")
+        if not isinstance(self.stability_threshold, int) or self.stability_threshold < 0:
+            raise ArgumentError(f"stability-threshold must be a non-negative integer, got {self.stability_threshold!r}")
+
+    def block_steps(self, settings: GenerationSettings) -> int:
+        return self.steps
+
+    def schedule(self, masked: Tensor, block_length: int, steps: int) -> Tensor:
+        """No minimum commits: the entropy bound decides which positions each step keeps."""
+        return torch.zeros(masked.shape[0], steps, dtype=torch.long, device=masked.device)
+
+
+POLICIES = ("fixed", "threshold", "factor", "llada2", "llada21", "dream", "residual", "entropy_bound")
+
+
+def entropy_bound_defaults(generation_config: Mapping[str, Any]) -> dict[str, Any]:
+    """EntropyBound's fields that a DiffusionGemma generation_config.json sets, under its own names
+    (`max_denoising_steps`, `t_min`, `t_max`, `sampler_config.entropy_bound`, `stability_threshold`,
+    `confidence_threshold`); null or absent entries keep the public defaults."""
+    sampler = generation_config.get("sampler_config")
+    found = {"steps": generation_config.get("max_denoising_steps"), "t_min": generation_config.get("t_min"),
+             "t_max": generation_config.get("t_max"),
+             "entropy_bound": sampler.get("entropy_bound") if isinstance(sampler, Mapping) else None,
+             "stability_threshold": generation_config.get("stability_threshold"),
+             "confidence_threshold": generation_config.get("confidence_threshold")}
+    return {key: value for key, value in found.items() if value is not None}
 
 
 def make_policy(name: str, *, steps: int | None = None, remasking: str = "low_confidence",
                 threshold: float | None = None, factor: float | None = None,
                 confidence: str = "prob", minimal_topk: int = 1, editing_threshold: float | None = None,
-                max_post_steps: int | None = None, preset: str | None = None) -> Policy:
+                max_post_steps: int | None = None, preset: str | None = None,
+                entropy_bound: float | None = None, generation_config: Mapping[str, Any] | None = None) -> Policy:
     """A policy from command-line style parameters; unknown names get one clear error. `preset`
-    (llada21 only) sets the defaults that explicit values override."""
+    (llada21 only) sets the defaults that explicit values override, as `generation_config` (a model's
+    generation_config.json) does for entropy_bound."""
     if preset is not None and name != "llada21":
         raise ArgumentError(f"presets ({', '.join(LLADA21_PRESETS)}) belong to policy llada21, not {name!r}")
     if name == "llada21":
@@ -376,6 +447,13 @@ def make_policy(name: str, *, steps: int | None = None, remasking: str = "low_co
                        post if max_post_steps is None else max_post_steps)
     if editing_threshold is not None or max_post_steps is not None:
         raise ArgumentError(f"editing-threshold and max-post-steps belong to policy llada21, not {name!r}")
+    if name == "entropy_bound":
+        chosen = {**entropy_bound_defaults(generation_config or {}),
+                  **{key: value for key, value in (("steps", steps), ("entropy_bound", entropy_bound))
+                     if value is not None}}
+        return EntropyBound(**chosen)
+    if entropy_bound is not None:
+        raise ArgumentError(f"entropy-bound belongs to policy entropy_bound, not {name!r}")
     if name == "fixed":
         return Fixed(steps=steps, remasking=remasking)
     if name == "threshold":

@@ -80,6 +80,16 @@ class GenerationSettings:
 def check_request(spec: ModelSpec, prompts: Sequence[Sequence[int]], settings: GenerationSettings) -> None:
     """Every check that can fail, before any compute."""
     settings.validate(spec.block_causal)
+    if settings.policy.noise != spec.noise:
+        if spec.noise == "uniform":
+            raise ArgumentError(f"policy {settings.policy.name!r} is mask-based, but {spec.name} is a uniform-noise "
+                                f"model (no mask token: its canvas starts as random tokens): use --policy "
+                                f"entropy_bound")
+        raise ArgumentError(f"policy {settings.policy.name!r} decodes uniform-noise models (DiffusionGemma), but "
+                            f"{spec.name} is mask-based: use --policy threshold, factor or fixed")
+    if spec.noise == "uniform" and settings.cache == "dual":
+        raise ArgumentError(f"cache mode 'dual' does not apply to {spec.name}: its decoder reads the encoder's "
+                            f"cache of everything before the canvas, and nothing after it")
     if settings.cache == "dual" and spec.block_causal:
         raise ArgumentError(f"cache mode 'dual' does not apply to {spec.name}: it is block-causal, so no "
                             f"block sees what follows it and there is no suffix to cache; --cache prefix "

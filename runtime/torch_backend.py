@@ -38,6 +38,7 @@ from dlmrt.runtime import cuda_graphs, device_step, onednn
 from dlmrt.runtime.backend import Backend, ModelSpec
 from dlmrt.runtime.device_state import BucketLadder, DeviceState
 from dlmrt.runtime.device_step import GraphOutputs, StepKind
+from dlmrt.runtime.uniform_noise import CanvasBackend
 
 MODES = ("eager", "compile", "cudagraph")
 DEFAULT_MAX_BATCH = 64
@@ -55,7 +56,7 @@ def spec_of(model: Denoiser) -> ModelSpec:
         max_positions=model.max_positions, mask_id=model.tokens.mask_id,
         eos_ids=tuple(model.tokens.eos_ids), pad_id=model.tokens.pad_id,
         block_causal=model.block_causal, has_residual=model.residual_config is not None,
-        dtype=model.dtype, device=model.device, logits_shift=model.logits_shift)
+        dtype=model.dtype, device=model.device, logits_shift=model.logits_shift, noise=model.noise)
 
 
 def modes_for(device: torch.device) -> tuple[str, ...]:
@@ -89,7 +90,7 @@ class _TorchGraph:
         return GraphOutputs(out[0], out[4], z, certainty)
 
 
-class TorchBackend(Backend):
+class TorchBackend(Backend, CanvasBackend):
     def __init__(self, model: Denoiser, *, mode: str = "auto", max_batch: int = DEFAULT_MAX_BATCH,
                  max_length: int | None = None, batch_sizes: tuple[int, ...] | None = None,
                  canvas_lengths: tuple[int, ...] | None = None, unmask: str = "torch",
@@ -171,6 +172,20 @@ class TorchBackend(Backend):
     def run(self, state: DeviceState, kind: StepKind, steps: int) -> None:
         self.prepare_steps(state, kind, steps)
         self._runners[(id(state), kind, steps)]()
+
+    # -- CanvasBackend: uniform-noise models, op by op ------------------------------------------------
+    @torch.no_grad()
+    def encode(self, ids: Tensor, positions: Tensor, key_mask: Tensor, cache):
+        return self.model.encode(ids, positions=positions, key_mask=key_mask, past=cache)
+
+    @torch.no_grad()
+    def decode(self, canvas: Tensor, positions: Tensor, key_mask: Tensor, cache, soft_tokens) -> Tensor:
+        return self.model.denoise(canvas, positions=positions, key_mask=key_mask, past=cache,
+                                  residual=soft_tokens).logits
+
+    @torch.no_grad()
+    def soft_tokens(self, scaled_logits: Tensor):
+        return self.model.soft_tokens(scaled_logits)
 
     # -- building a runner per mode -------------------------------------------------------------------
     @torch.no_grad()

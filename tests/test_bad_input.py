@@ -194,7 +194,7 @@ def test_dual_cache_is_refused_for_block_causal_models():
 
 def test_unknown_policy_name():
     with pytest.raises(ArgumentError, match=r"unknown policy 'greedy' \(known: fixed, threshold, factor, llada2, "
-                                            r"llada21, dream, residual\)"):
+                                            r"llada21, dream, residual, entropy_bound\)"):
         make_policy("greedy")
 
 

@@ -71,7 +71,8 @@ def test_setting_specs_make_policies(spec, policy):
 
 
 @pytest.mark.parametrize("spec, message", [
-    ("greedy:steps=4", "unknown policy 'greedy' (known: fixed, threshold, factor, llada2, llada21, dream, residual)"),
+    ("greedy:steps=4", "unknown policy 'greedy' (known: fixed, threshold, factor, llada2, llada21, dream, residual, "
+                       "entropy_bound)"),
     ("fixed:threshold=0.9", "fixed takes steps, remasking; not 'threshold'"),
     ("threshold:steps=4", "threshold takes threshold, confidence; not 'steps'"),
     ("fixed:steps=four", "steps must be an integer, got 'four'"),

@@ -459,6 +459,7 @@ class DiffusionGemma(Denoiser):
         self.rotary_dim, self.rope_theta = t.head_dim, config.rope[config.layer_types[0]].theta
         self.max_positions = t.max_position_embeddings
         self.canvas_length = config.canvas_length
+        self.default_block_length = config.canvas_length  # a block is a canvas
         self.sliding_window = t.sliding_window
         self.softcap = t.final_logit_softcapping
         self.model = nn.Module()

@@ -1,0 +1,158 @@
+"""The uniform-noise step loop (policy `entropy_bound`, `dlmrt.runtime.uniform_noise`) on DiffusionGemma.
+
+The Generator's batched loop, which freezes a stopped row and reads the host every K steps, is held
+to a plain loop written here for one row as the public generate is structured: a canvas per block,
+decoder steps until the stop rule holds (then break), the argmax cut after its first EOS, and the
+encoder committing the canvas. The step itself (`dlmrt.plugins.entropy_bound`) is held to the public
+sampler in test_entropy_bound.py.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from dlmrt.errors import ArgumentError
+from dlmrt.export import checkpoint
+from dlmrt.plugins.entropy_bound import RenoiseParams, entropy_bound_step, initial_canvas, temperature_schedule
+from dlmrt.runtime import EntropyBound, GenerationSettings, Generator, Threshold, make_policy
+from dlmrt.runtime.policies import entropy_bound_defaults
+
+DATA = Path(__file__).parent / "data" / "diffusion_gemma"
+PROMPTS = [[2, 17, 42, 5], [2, 9, 22, 31, 8, 77], [2, 40]]
+
+
+def load(path: Path = DATA):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return checkpoint.load(path)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load()
+
+
+@torch.no_grad()
+def reference(model, prompt: list[int], gen_length: int, block: int, policy: EntropyBound, seed: int):
+    """(tokens, decoder forwards) of one row, plainly."""
+    length = len(prompt)
+    cache = model.encode(torch.tensor([prompt]))
+    temperatures = temperature_schedule(policy.t_min, policy.t_max, policy.steps)
+    eos, pad = model.tokens.eos_ids, model.tokens.pad_id
+    tokens, forwards = [], 0
+    for start in range(0, gen_length, block):
+        positions = torch.arange(length + start, length + start + block)[None]
+        seeds = torch.tensor([seed])
+        canvas = initial_canvas(seeds, positions, model.vocab_size)
+        previous, stable, soft = None, 0, None
+        for step in range(policy.steps):
+            logits = model.denoise(canvas, positions=positions, past=cache, residual=soft).logits
+            params = RenoiseParams(temperatures[step:step + 1], torch.tensor([policy.entropy_bound]), seeds,
+                                   torch.tensor([step]))
+            result = entropy_bound_step(logits, canvas, positions, params)
+            forwards += 1
+            stable = stable + 1 if previous is not None and torch.equal(result.argmax, previous) else 0
+            previous, canvas = result.argmax, result.canvas
+            soft = model.soft_tokens(result.scaled_logits)
+            if stable >= policy.stability_threshold and float(result.mean_entropy) < policy.confidence_threshold:
+                break
+        block_tokens = previous[0].tolist()
+        ends = [i for i, t in enumerate(block_tokens) if t in eos]
+        if ends:
+            tokens += block_tokens[:ends[0] + 1] + [pad] * (gen_length - len(tokens) - ends[0] - 1)
+            return tokens, forwards
+        tokens += block_tokens
+        cache = model.encode(previous, positions=positions, past=cache)
+    return tokens, forwards
+
+
+# A policy whose stop rule fires on this random model's flat distributions, so that steps end early.
+EARLY = EntropyBound(steps=6, stability_threshold=0, confidence_threshold=3.5)
+
+
+@pytest.mark.parametrize("policy", [EntropyBound(steps=6), EARLY], ids=["all steps", "early stop"])
+def test_the_loop_matches_a_plain_loop_row_by_row(model, policy):
+    generator = Generator(model, mode="eager")
+    fewest = 12
+    for seed, prompt in enumerate(PROMPTS):
+        expected, forwards = reference(model, prompt, 16, 8, policy, seed)
+        result = generator.generate([prompt], GenerationSettings(16, 8, policy, seed=seed))
+        assert result.tokens[0].tolist() == expected
+        assert result.rows[0].metrics.nfe == forwards
+        fewest = min(fewest, forwards)
+    if policy is EARLY:  # the stop rule fired, or this case tests nothing more
+        assert fewest < 12
+
+
+def test_steps_per_host_read_change_no_token(model):
+    """Steps after a row stopped leave it as it was, so K steps per host read give the same tokens."""
+    base = GenerationSettings(16, 8, EARLY, seed=3)
+    one = Generator(model, mode="eager").generate(PROMPTS, base)
+    four = Generator(model, mode="eager").generate(PROMPTS, GenerationSettings(16, 8, EARLY, seed=3,
+                                                                                steps_per_sync=4))
+    assert torch.equal(one.tokens, four.tokens)
+    assert [r.metrics.nfe for r in one.rows] == [r.metrics.nfe for r in four.rows]
+    assert four.metrics.forwards_executed >= one.metrics.forwards_executed
+
+
+def test_a_seed_reproduces_a_run_and_another_seed_does_not(model):
+    settings = GenerationSettings(8, 8, EntropyBound(steps=4), seed=7)
+    first = Generator(model, mode="eager").generate(PROMPTS, settings).tokens
+    again = Generator(model, mode="eager").generate(PROMPTS, settings).tokens
+    other = Generator(model, mode="eager").generate(PROMPTS, GenerationSettings(8, 8, EntropyBound(steps=4),
+                                                                                seed=8)).tokens
+    assert torch.equal(first, again)
+    assert not torch.equal(first, other)
+
+
+def test_everything_after_the_first_eos_is_pad_and_the_row_stops():
+    model = load()
+    eos = model.tokens.eos_ids[0]
+    with torch.no_grad():  # EOS becomes by far the likeliest token everywhere
+        model.input_embedding().weight[eos] *= 40.0
+    result = Generator(model, mode="eager").generate(PROMPTS[:2], GenerationSettings(16, 8, EntropyBound(steps=3)))
+    for row in range(2):
+        tokens = result.tokens[row].tolist()
+        first = tokens.index(eos)
+        assert first < 8 and tokens[first + 1:] == [model.tokens.pad_id] * (15 - first)
+        assert result.rows[row].finish_reason == "eos"
+        assert result.rows[row].token_ids == tokens[:first]
+        assert result.rows[row].metrics.nfe <= 3  # no step of the second block ran for it
+
+
+def test_mask_policies_and_uniform_noise_models_refuse_each_other(model):
+    with pytest.raises(ArgumentError, match="policy 'threshold' is mask-based, but .* is a uniform-noise model "
+                                            ".* use --policy entropy_bound"):
+        Generator(model, mode="eager").generate([[2, 3]], GenerationSettings(8, 8, Threshold(0.9)))
+    import dlmrt
+
+    with pytest.raises(ArgumentError, match="policy 'entropy_bound' decodes uniform-noise models .* tiny-llada "
+                                            "is mask-based"):
+        Generator(dlmrt.load(), mode="eager").generate([[3, 4]], GenerationSettings(8, 8, EntropyBound()))
+
+
+@pytest.mark.parametrize("policy, message", [
+    (EntropyBound(steps=0), "steps must be an integer in"),
+    (EntropyBound(entropy_bound=0.0), "entropy-bound must be positive"),
+    (EntropyBound(t_min=0.9, t_max=0.8), "0 <= t-min < t-max"),
+    (EntropyBound(confidence_threshold=float("nan")), "confidence-threshold must be a finite number"),
+    (EntropyBound(stability_threshold=-1), "stability-threshold must be a non-negative integer"),
+])
+def test_bad_policy_parameters_are_refused_before_any_compute(model, policy, message):
+    with pytest.raises(ArgumentError, match=message):
+        Generator(model, mode="eager").generate([[2, 3]], GenerationSettings(8, 8, policy))
+
+
+def test_the_generation_config_sets_the_defaults_and_options_override_them():
+    config = {"max_denoising_steps": 12, "t_min": 0.2, "t_max": 0.6, "sampler_config": {"entropy_bound": 0.3,
+              "_cls_name": "EntropyBoundSamplerConfig"}, "stability_threshold": 2, "confidence_threshold": None}
+    assert entropy_bound_defaults(config) == {"steps": 12, "t_min": 0.2, "t_max": 0.6, "entropy_bound": 0.3,
+                                              "stability_threshold": 2}
+    policy = make_policy("entropy_bound", steps=5, generation_config=config)
+    assert policy == EntropyBound(steps=5, entropy_bound=0.3, t_min=0.2, t_max=0.6, stability_threshold=2)
+    with pytest.raises(ArgumentError, match="entropy-bound belongs to policy entropy_bound"):
+        make_policy("threshold", entropy_bound=0.2)
