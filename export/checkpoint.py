@@ -277,7 +277,7 @@ def save(model: Denoiser, path: str | os.PathLike, *, max_shard_bytes: int | Non
     state = {name: t.detach().contiguous().cpu() for name, t in model.state_dict().items()}
     config = dict(model.raw_config)
     config["torch_dtype"] = str(model.dtype).removeprefix("torch.")
-    if model.tokens is not None:
+    if model.tokens is not None and model.tokens.mask_id is not None:
         config.setdefault("mask_token_id", model.tokens.mask_id)
     with atomic.directory(path, replaces=lambda found: (found / "config.json").is_file(),
                           what="a model directory") as staging:
@@ -296,8 +296,9 @@ def save(model: Denoiser, path: str | os.PathLike, *, max_shard_bytes: int | Non
             (staging / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
         generation = dict(model.generation_config)
         if model.tokens is not None:
-            generation.update(mask_token_id=model.tokens.mask_id, pad_token_id=model.tokens.pad_id,
-                              eos_token_id=list(model.tokens.eos_ids))
+            generation.update(pad_token_id=model.tokens.pad_id, eos_token_id=list(model.tokens.eos_ids))
+            if model.tokens.mask_id is not None:  # uniform-noise models have none
+                generation["mask_token_id"] = model.tokens.mask_id
         if generation:
             (staging / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
         if model.tokenizer is not None:
