@@ -3,7 +3,8 @@
 `compile_kernel(name, cc)` runs `triton.compile` for `GPUTarget("cuda", cc, 32)` and returns what a
 TensorRT AOT plugin needs: the PTX, its entry name, the threads per block and the shared memory.
 It compiles the kernels of every custom op (`MODULES` says where each lives: `dlmrt::ParallelUnmask`'s
-here, `dlmrt::ResidualContext`'s in `dlmrt.plugins.residual_context`). `types` overrides argument
+here, `dlmrt::ResidualContext`'s in `dlmrt.plugins.residual_context`, `dlmrt::EntropyBoundStep`'s in
+`dlmrt.plugins.entropy_bound`). `types` overrides argument
 types of the signature, e.g. `{"logits": "*bf16"}` for a kernel that serves several dtypes.
 
 Triton (3.3+) appends two pointer parameters to every kernel (global and profile scratch) that its
@@ -28,6 +29,7 @@ import sys
 from dataclasses import dataclass
 
 from dlmrt.errors import KernelInputError
+from dlmrt.plugins.entropy_bound import triton_kernels as entropy_bound_kernels
 from dlmrt.plugins.parallel_unmask import triton_kernels
 
 TARGETS = (90, 100, 120)  # H100/H200, B200, RTX 5090
@@ -48,11 +50,13 @@ SIGNATURES = {
         "ids", "count", "threshold", "factor", "W", "mask_id", "new_ids", "confidence", "commit", "committed")},
     "residual_kernel": {"logits": "*fp32", "embedding": "*fp32", "N": "i32", "V": "i32", "H": "i32", "z": "*fp32",
                         "certainty": "*fp32"},
+    **entropy_bound_kernels.SIGNATURES,
 }
 # The module holding each kernel and its CONFIGS.
 MODULES = {**dict.fromkeys(("parallel_unmask_kernel", "position_kernel", "commit_kernel"),
                            "dlmrt.plugins.parallel_unmask.triton_kernels"),
-           "residual_kernel": "dlmrt.plugins.residual_context.triton_kernels"}
+           "residual_kernel": "dlmrt.plugins.residual_context.triton_kernels",
+           **dict.fromkeys(entropy_bound_kernels.SIGNATURES, "dlmrt.plugins.entropy_bound.triton_kernels")}
 
 
 @dataclass(frozen=True)
