@@ -90,7 +90,7 @@ def _block_length(export_dir: Path) -> int:
 def typing_for(tensorrt_version: str) -> str:
     major = int(tensorrt_version.split(".")[0])
     if major < 10:
-        raise PlanError(f"TensorRT {tensorrt_version} is too old: dlmrt builds with TensorRT 10.8 or newer "
+        raise PlanError(f"TensorRT {tensorrt_version} is too old: dlmrt builds with TensorRT 10.9 or newer "
                         f"(pip install 'dlmrt[tensorrt]')")
     return "strongly-typed" if major >= 11 else "precision-flags"
 

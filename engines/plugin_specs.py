@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import onnx
 
+from dlmrt.plugins.entropy_bound import onnx_function as entropy_bound
 from dlmrt.plugins.parallel_unmask import onnx_function as parallel_unmask
 from dlmrt.plugins.residual_context import onnx_function as residual_context
 
@@ -39,6 +40,7 @@ def _spec(module, fields: dict[str, int]) -> PluginSpec:
 KNOWN: dict[tuple[str, str], PluginSpec] = {spec.key: spec for spec in (
     _spec(parallel_unmask, {"mask_id": onnx.AttributeProto.INT}),
     _spec(residual_context, {}),
+    _spec(entropy_bound, {}),
 )}
 
 

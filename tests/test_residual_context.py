@@ -313,7 +313,7 @@ def test_every_kernel_aot_knows_lives_in_its_module():
 def test_plugin_registration_without_tensorrt_says_which_extra(monkeypatch):
     trt_plugin = fresh_module("dlmrt.plugins.residual_context.trt_plugin")
     monkeypatch.setitem(sys.modules, "tensorrt", None)
-    with pytest.raises(MissingExtraError, match=re.escape("dlmrt::ResidualContext needs TensorRT 10.8")):
+    with pytest.raises(MissingExtraError, match=re.escape("dlmrt::ResidualContext needs TensorRT 10.9")):
         trt_plugin.register()
 
 

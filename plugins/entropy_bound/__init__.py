@@ -3,7 +3,7 @@
 - `reference`: the semantics, written once in torch: the temperature schedule, the entropy-bound
   acceptance with its Gumbel-max samples and uniform refills, the stable-and-confident stopping
   rule and the padding after EOS. Every other form is to be tested against it.
-- `triton_kernels` (the step as Triton kernels) and `onnx_function` (the ONNX local function dlmrt::EntropyBoundStep).
+- `triton_kernels` (the step as Triton kernels), `onnx_function` (the ONNX local function) and `trt_plugin` (TensorRT).
 """
 
 from dlmrt.plugins.entropy_bound.reference import (RANDOM_TOKEN_SALT, RenoiseParams, RenoiseResult, accept_by_entropy,

@@ -7,7 +7,7 @@
   TRITON_INTERPRET=1). Needs the `dlmrt[triton]` extra, so it is not imported here.
 - `aot`: the Triton kernels of every dlmrt op (this one's and `dlmrt::ResidualContext`'s) compiled
   ahead of time to PTX for sm_90, sm_100 and sm_120, no GPU needed.
-- `trt_plugin`: `register()` registers the op with `tensorrt.plugin` (TensorRT 10.8+) as an AOT
+- `trt_plugin`: `register()` registers the op with `tensorrt.plugin` (TensorRT 10.9+) as an AOT
   plugin running the fused kernel, so an engine needs no Python.
 """
 

@@ -1,4 +1,4 @@
-"""`dlmrt::ParallelUnmask` as a TensorRT plugin (`tensorrt.plugin`, TensorRT 10.8+).
+"""`dlmrt::ParallelUnmask` as a TensorRT plugin (`tensorrt.plugin`, TensorRT 10.9+).
 
 `register()` registers the shape/type descriptor and an AOT implementation: at build time it hands
 TensorRT the PTX of `triton_kernels.parallel_unmask_kernel` compiled for the build GPU (see `aot`),
@@ -19,7 +19,7 @@ documentation of PluginTensorDesc lists kBOOL as unsupported). The tests marked 
 registration; building an engine from an exported step graph is the check for both.
 """
 
-from typing import Tuple
+from typing import Tuple, Union
 
 from dlmrt.errors import MissingExtraError
 
@@ -51,7 +51,7 @@ def tensorrt_modules(plugin: str):
         import tensorrt as trt
         import tensorrt.plugin as trtp
     except ImportError as error:
-        raise MissingExtraError(f"the TensorRT plugin of {plugin} needs TensorRT 10.8 or newer: "
+        raise MissingExtraError(f"the TensorRT plugin of {plugin} needs TensorRT 10.9 or newer: "
                                 "pip install 'dlmrt[tensorrt]'") from error
     return trt, trtp
 
@@ -77,7 +77,8 @@ def _define(trt, trtp, name: str) -> None:
     @trtp.aot_impl(name)
     def compiled(logits: Desc, ids: Desc, positions: Desc, count: Desc, threshold: Desc, factor: Desc,
                  temperature: Desc, seed: Desc, step: Desc, measure: Desc, edit_threshold: Desc, editable: Desc,
-                 mask_id: int, outputs: Tuple[Desc], tactic: int):
+                 mask_id: int, outputs: Tuple[Desc], tactic: int
+                 ) -> Tuple[Union[str, bytes], Union[str, bytes], trtp.KernelLaunchParams, trtp.SymExprs]:
         kernel = aot.compile_kernel("parallel_unmask_kernel", _build_target())
         launch = trtp.KernelLaunchParams()
         launch.grid_x = ids.shape_expr[0]  # one program per row

@@ -8,7 +8,7 @@
   built from standard ops, so that ONNX Runtime runs an exported graph as it is.
 - `triton_kernels`: the op as a Triton kernel, with a launcher for CUDA tensors (CPU tensors under
   TRITON_INTERPRET=1). Needs the `dlmrt[triton]` extra, so it is not imported here.
-- `trt_plugin`: `register()` registers the op with `tensorrt.plugin` (TensorRT 10.8+) as an AOT
+- `trt_plugin`: `register()` registers the op with `tensorrt.plugin` (TensorRT 10.9+) as an AOT
   plugin running the kernel (compiled by `dlmrt.plugins.parallel_unmask.aot`).
 """
 

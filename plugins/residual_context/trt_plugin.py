@@ -1,4 +1,4 @@
-"""`dlmrt::ResidualContext` as a TensorRT plugin (`tensorrt.plugin`, TensorRT 10.8+).
+"""`dlmrt::ResidualContext` as a TensorRT plugin (`tensorrt.plugin`, TensorRT 10.9+).
 
 `register()` registers the shape/type descriptor and an AOT implementation: at build time it hands
 TensorRT the PTX of `triton_kernels.residual_kernel` compiled for the build GPU and the node's
@@ -17,7 +17,7 @@ version offers the plugin in a network that is not strongly typed. The tests mar
 the registration; building an engine from an exported ORL step graph is the check for both.
 """
 
-from typing import Tuple
+from typing import Tuple, Union
 
 from dlmrt.errors import KernelInputError
 from dlmrt.plugins.parallel_unmask.trt_plugin import _build_target, register_plugin
@@ -51,7 +51,8 @@ def _define(trt, trtp, name: str) -> None:
                 trtp.from_shape_expr((batch, length), dtype=embedding.dtype))
 
     @trtp.aot_impl(name)
-    def compiled(logits: Desc, embedding: Desc, outputs: Tuple[Desc], tactic: int):
+    def compiled(logits: Desc, embedding: Desc, outputs: Tuple[Desc], tactic: int
+                 ) -> Tuple[Union[str, bytes], Union[str, bytes], trtp.KernelLaunchParams, trtp.SymExprs]:
         z, certainty = outputs
         types = _pointer_types(trt, logits=logits, embedding=embedding, z=z, certainty=certainty)
         kernel = aot.compile_kernel("residual_kernel", _build_target(), types)
