@@ -211,8 +211,15 @@ def open_backend(backend: str, model_dir: Path | None, *, dtype: str, mode: str,
         from dlmrt.runtime.ort_backend import OrtBackend
 
         export_dir = ensure_exported(Path(model_dir or TINY_MODEL_DIR), dtype, console)
-        return ExportedModel.load(export_dir), OrtBackend(export_dir, device=resolve_device(backend, device),
-                                                          optimized_model_dir=home() / "ort")
+        exported = ExportedModel.load(export_dir)
+        if exported.noise == "uniform":  # DiffusionGemma's encoder and decoder graphs, on the CPU
+            from dlmrt.runtime.ort_canvas import OrtCanvasBackend
+
+            return exported, OrtCanvasBackend(export_dir, device="cpu" if device == "auto" else
+                                              resolve_device(backend, device))
+        # optimized graphs are kept, for faster starts after the first
+        return exported, OrtBackend(export_dir, device=resolve_device(backend, device),
+                                    optimized_model_dir=home() / "ort")
     device = resolve_device(backend, device)
     if backend == "trt":
         require_trt_extra()
@@ -373,13 +380,16 @@ def export_command(model_dir, output, opset, dtype, block_length, max_batch, max
     from rich.table import Table
 
     import dlmrt
-    from dlmrt.export.export_manifest import ExportManifest
+    from dlmrt.export.export_manifest import CANVAS_GRAPHS, ExportManifest
     from dlmrt.export.onnx_export import GRAPHS, export
 
     console = Console(stderr=True)
     model = dlmrt.load(model_dir or TINY_MODEL_DIR, dtype=dtype)
-    with step_progress(console, "exporting: graph {task.completed} of %d" % (len(GRAPHS) * (1 + guidance))) \
-            as advance:
+    if verify and model.noise == "uniform":
+        raise click.UsageError("--verify runs the mask models' step graphs and does not cover a uniform-noise "
+                               "export yet: drop --verify")
+    graphs = len(CANVAS_GRAPHS) if model.noise == "uniform" else len(GRAPHS) * (1 + guidance)
+    with step_progress(console, "exporting: graph {task.completed} of %d" % graphs) as advance:
         export(model, output, opset=opset, block_length=block_length, max_batch=max_batch,
                max_length=max_length, guidance=guidance, on_graph=lambda graph: advance())
     manifest = ExportManifest.read(output)

@@ -27,6 +27,9 @@ from dlmrt.hashing import sha256_of
 
 MANIFEST_FILE = "dlmrt.json"
 FORMAT_VERSION = 1
+NOISE_KINDS = ("mask", "uniform")
+# A uniform-noise model's graphs (export/canvas_export.py), in place of the step graphs.
+CANVAS_GRAPHS = ("encode", "decode", "soft_tokens")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _REEXPORT = "re-export the model with `dlmrt export MODEL_DIR -o DIR`"
 
@@ -75,6 +78,10 @@ class ModelFacts:
     block_causal: bool
     block_grid: int | None  # the block length built into a block-causal model's graphs
     residual: bool  # an ORL model: the graphs carry z and certainty
+    # Fields added after format version 1 was first written: absent in older manifests (their
+    # defaults), and left out of a manifest that keeps them at the defaults.
+    noise: str = "mask"  # "uniform": a model with no mask token, exported as CANVAS_GRAPHS
+    canvas_length: int | None = None  # a uniform-noise model's own canvas (its default block length)
 
 
 @dataclass(frozen=True)
@@ -149,6 +156,9 @@ class ExportManifest:
                 graph[role] = [{**tensor, "shape": list(tensor["shape"])} for tensor in graph[role]]
         if self.quantization is None:
             del data["quantization"]
+        for name, default in (("noise", "mask"), ("canvas_length", None)):
+            if data["model"][name] == default:
+                del data["model"][name]
         return data
 
     def graph_problems(self, graph: str, model) -> list[str]:
@@ -223,10 +233,16 @@ class ExportManifest:
             head_dim=model.positive("head_dim"), max_positions=model.positive("max_positions"),
             block_causal=model.boolean("block_causal"),
             block_grid=model.positive("block_grid") if model.value("block_grid") is not None else None,
-            residual=model.boolean("residual"))
+            residual=model.boolean("residual"),
+            noise="mask" if model.value("noise") is None else model.value("noise"),
+            canvas_length=model.positive("canvas_length") if model.value("canvas_length") is not None else None)
+        if facts.noise not in NOISE_KINDS:
+            model.fail("noise", f"must be one of {', '.join(NOISE_KINDS)} (absent: mask), got {_shown(facts.noise)}")
         model.done()
         tokens = fields.section("tokens")
-        token_ids = SpecialTokens(mask_id=tokens.token("mask_id", facts.vocab_size),
+        uniform = facts.noise == "uniform"  # no mask token
+        token_ids = SpecialTokens(mask_id=None if uniform and tokens.value("mask_id", required=True) is None
+                                  else tokens.token("mask_id", facts.vocab_size),
                                   eos_ids=tokens.token_list("eos_ids", facts.vocab_size),
                                   pad_id=tokens.token("pad_id", facts.vocab_size))
         tokens.done()
@@ -240,10 +256,12 @@ class ExportManifest:
         hashes = {name: files.sha256(name) for name in files.keys()}
         graphs = fields.section("graphs")
         entries = {name: _graph_entry(graphs.section(name), hashes) for name in graphs.keys()}
+        known, required = (CANVAS_GRAPHS, CANVAS_GRAPHS) if uniform else (GRAPHS + GUIDED_GRAPHS, GRAPHS)
         for name in entries:
-            if name not in GRAPHS + GUIDED_GRAPHS:
-                graphs.fail(name, f"is not a step graph dlmrt knows ({', '.join(GRAPHS + GUIDED_GRAPHS)})")
-        for name in GRAPHS:
+            if name not in known:
+                kind = "uniform-noise model's graph" if uniform else "step graph"
+                graphs.fail(name, f"is not a {kind} dlmrt knows ({', '.join(known)})")
+        for name in required:
             if name not in entries:
                 graphs.fail(name, "is missing")
         quantization = fields.value("quantization")

@@ -41,7 +41,7 @@ from dlmrt.plugins.residual_context import onnx_function as residual_function
 DEFAULT_OPSET = 18
 # Beyond this, weights go to external data files (protobuf caps a file at 2 GiB).
 EXTERNAL_DATA_BYTES = 1 << 30
-EXPORTABLE_FAMILIES = ("llada", "llada2_moe", "Dream", "sdar")
+EXPORTABLE_FAMILIES = ("llada", "llada2_moe", "Dream", "sdar", "diffusion_gemma")
 # The dlmrt custom ops a step graph may hold, by (domain, op_type): their onnx_function modules.
 CUSTOM_OPS = {(f.DOMAIN, f.OP_TYPE): f for f in (onnx_function, residual_function)}
 
@@ -187,7 +187,8 @@ def export(model: Denoiser, out_dir: str | Path, *, opset: int = DEFAULT_OPSET, 
            max_batch: int = 64, max_length: int | None = None, guidance: bool = False,
            on_graph: Callable[[str], None] | None = None) -> Path:
     """Write the step graphs of `model` and their manifest to `out_dir` (atomically); with `guidance`,
-    also the classifier-free-guidance graphs."""
+    also the classifier-free-guidance graphs. A uniform-noise model (DiffusionGemma) gets its encoder,
+    decoder and soft-token graphs instead (`dlmrt.export.canvas_export`)."""
     check_exportable(model)
     newest = onnx.defs.onnx_opset_version()
     if not 18 <= opset <= newest:
@@ -201,6 +202,15 @@ def export(model: Denoiser, out_dir: str | Path, *, opset: int = DEFAULT_OPSET, 
         raise ArgumentError(f"max-batch must lie in [1, {limits.MAX_BATCH}], got {max_batch}")
     if block_length is not None and not 0 < block_length <= max_length:
         raise ArgumentError(f"block-length must lie in [1, max-length = {max_length}], got {block_length}")
+    if model.noise == "uniform":
+        from dlmrt.export import canvas_export
+
+        if guidance or block_length is not None:
+            raise ArgumentError(f"{'--guidance' if guidance else '--block-length'} does not apply to {model.name}: "
+                                f"a uniform-noise model has no guidance graphs, and its graphs take any block "
+                                f"length up to max-length")
+        return canvas_export.export(model, out_dir, opset=opset, max_batch=max_batch, max_length=max_length,
+                                    on_graph=on_graph)
     grid = (block_length or model.default_block_length) if model.block_causal else None
     for op in CUSTOM_OPS.values():
         op.register_schema()

@@ -68,7 +68,7 @@ class ModelSpec:
             limits_hint=f"re-export with `dlmrt export ... -o {export_dir} --max-batch B --max-length N`",
             block_grid=model.block_grid, supports_guidance=manifest.supports_guidance,
             supports_editing=manifest.supports_editing,
-            logits_shift=FAMILIES[model.model_type].model_class.logits_shift)
+            logits_shift=FAMILIES[model.model_type].model_class.logits_shift, noise=model.noise)
 
 
 class Backend(ABC):

@@ -22,7 +22,7 @@ class ExportedModel:
     default_block_length: int | None
     tokenizer: Any = None
     generation_config: dict = field(default_factory=dict)
-    noise: str = "mask"  # exports of uniform-noise models are not made yet
+    noise: str = "mask"  # "uniform": an export of a uniform-noise model (DiffusionGemma)
 
     @classmethod
     def load(cls, export_dir: str | Path) -> ExportedModel:
@@ -31,6 +31,8 @@ class ExportedModel:
         export_dir = Path(export_dir)
         manifest = ExportManifest.read(export_dir)
         manifest.check_files(export_dir, names=("tokenizer.json", generation_config.FILE))
-        return cls(name=manifest.model.name, tokens=manifest.tokens, block_causal=manifest.model.block_causal,
-                   default_block_length=manifest.model.block_grid, tokenizer=load_tokenizer(export_dir),
-                   generation_config=generation_config.read(export_dir, ExportManifestError))
+        facts = manifest.model
+        return cls(name=facts.name, tokens=manifest.tokens, block_causal=facts.block_causal,
+                   default_block_length=facts.canvas_length if facts.noise == "uniform" else facts.block_grid,
+                   tokenizer=load_tokenizer(export_dir),
+                   generation_config=generation_config.read(export_dir, ExportManifestError), noise=facts.noise)
