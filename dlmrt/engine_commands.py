@@ -44,8 +44,9 @@ def dimension_options(command):
               help="GPU target; auto takes the running GPU's.")
 @click.option("--precision", type=click.Choice(PRECISION_CHOICES), default=None,
               help="Engine precision [default: the target's first, bf16]. fp8 needs sm_89+, nvfp4 sm_100+.")
-@click.option("--graph", "graphs", multiple=True, default=("full", "cached"), show_default=True,
-              help="Step graphs to build (repeat); add full_guided / cached_guided for --cfg-scale.")
+@click.option("--graph", "graphs", multiple=True, default=(),
+              help="Step graphs to build (repeat) [default: full and cached; a uniform-noise export's encode, "
+                   "decode and soft_tokens]; add full_guided / cached_guided for --cfg-scale.")
 @dimension_options
 @click.option("--workspace", default=None, help="Workspace memory pool limit, e.g. 8GiB [default: the target's].")
 @click.option("--optimization-level", type=int, default=None,
@@ -91,7 +92,7 @@ def build_command(export_dir, target, precision, graphs, batch, window, block, p
         raise ArgumentError(f"--calibration-samples must be positive, got {calibration_samples}")
     store = EngineStore(output)
     plan = make_plan(export_dir, chosen_target, precision or chosen_target.default_precision,
-                     tensorrt=planned_for, store=store.root, ranges=ranges, graphs=tuple(graphs),
+                     tensorrt=planned_for, store=store.root, ranges=ranges, graphs=tuple(graphs) or None,
                      workspace_bytes=parse_size(workspace), optimization_level=optimization_level,
                      timing_cache=not no_timing_cache,
                      calibration=str(calibration_file) if calibration_file else "task suite",

@@ -101,16 +101,21 @@ def graph_plugins(export_dir: Path, files: list[str]) -> list[dict]:
 
 
 def make_plan(export_dir: str | Path, target: Target, precision: str, *, tensorrt: str, store: Path,
-              ranges: dict[str, profiles.DimRange] | None = None, graphs: tuple[str, ...] = DEFAULT_GRAPHS,
+              ranges: dict[str, profiles.DimRange] | None = None, graphs: tuple[str, ...] | None = None,
               workspace_bytes: int | None = None, optimization_level: int | None = None,
               timing_cache: bool = True, calibration: str = "task suite", calibration_samples: int = 32,
               opt_window: int | None = None) -> BuildPlan:
-    """The plan for building `graphs` of the export in `export_dir`; profile dimensions not in `ranges`
-    cover the export's limits, tuned for the target's batch and the model's block length."""
+    """The plan for building `graphs` of the export in `export_dir` (by default its step graphs: full and
+    cached, or a uniform-noise model's encode, decode and soft_tokens); profile dimensions not in `ranges`
+    cover the export's limits, tuned for the target's batch and the model's block length (its canvas,
+    for a uniform-noise model, whose prompt runs the encoder over an empty prefix)."""
     export_dir = Path(export_dir)
     export = ExportManifest.read(export_dir)
+    uniform = export.model.noise == "uniform"
+    if graphs is None:
+        graphs = tuple(export.graphs) if uniform else DEFAULT_GRAPHS
     if opt_window is None:
-        opt_window = _block_length(export_dir)
+        opt_window = export.model.canvas_length if uniform else _block_length(export_dir)
     check_precision(target, precision)
     typing = typing_for(tensorrt)
     export_dtype = export.model.dtype
@@ -128,7 +133,7 @@ def make_plan(export_dir: str | Path, target: Target, precision: str, *, tensorr
         hint = " (export with --guidance)" if any(g.endswith("_guided") for g in missing) else ""
         raise PlanError(f"{export_dir} has no {', '.join(missing)} graph{'s' * (len(missing) > 1)}{hint}: "
                         f"it has {', '.join(export.graphs)}")
-    chosen = profiles.default_ranges(export.limits, target.opt_batch, opt_window)
+    chosen = profiles.default_ranges(export.limits, target.opt_batch, opt_window, min_prefix=0 if uniform else 1)
     chosen.update(ranges or {})
     profiles.check_within_limits(chosen, export.limits)
     graph_plans = [GraphPlan(graph, export.graphs[graph].file, export.graph_sha256(graph),
@@ -143,6 +148,9 @@ def make_plan(export_dir: str | Path, target: Target, precision: str, *, tensorr
         raise PlanError(f"--workspace must be positive, got {options.workspace_bytes} bytes")
     quantization = ({"method": QUANTIZERS[precision], "calibration": calibration, "samples": calibration_samples}
                     if precision in QUANTIZERS else None)
+    if uniform and precision == "nvfp4":
+        notes.append("nvfp4: the MoE experts' stacked weights stay in high precision: dlmrt's NVFP4 pass "
+                     "quantizes 2-D nn.Linear weights only, so only the attention and dense MLPs are FP4")
     model = export.model.name
     return BuildPlan(
         model=model, export_dir=str(export_dir.resolve()), target=target.name,

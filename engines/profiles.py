@@ -53,12 +53,13 @@ def parse_range(text: str, dimension: str) -> DimRange:
     return DimRange(low, opt, high)
 
 
-def default_ranges(limits: ExportLimits, opt_batch: int, opt_window: int) -> dict[str, DimRange]:
-    """Ranges that cover everything the export allows, tuned for `opt_batch` rows of `opt_window`."""
+def default_ranges(limits: ExportLimits, opt_batch: int, opt_window: int, min_prefix: int = 1) -> dict[str, DimRange]:
+    """Ranges that cover everything the export allows, tuned for `opt_batch` rows of `opt_window`;
+    `min_prefix` 0 for graphs that also run with no cached prefix (a uniform-noise model's encoder)."""
     batch, length = limits.max_batch, limits.max_length
     window = min(opt_window, length)
     return {"batch": DimRange(1, min(opt_batch, batch), batch), "window": DimRange(1, window, length),
-            "block": DimRange(1, window, length), "prefix": DimRange(1, max(1, length // 2), length)}
+            "block": DimRange(1, window, length), "prefix": DimRange(min_prefix, max(1, length // 2), length)}
 
 
 def check_within_limits(ranges: dict[str, DimRange], limits: ExportLimits) -> None:

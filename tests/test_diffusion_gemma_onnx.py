@@ -290,3 +290,19 @@ def test_the_cli_runs_a_uniform_noise_export_on_ort_canvas(exported):
                                       engines=None, precision=None, console=None)
     assert isinstance(backend, OrtCanvasBackend) and backend.spec.noise == "uniform"
     assert model.noise == "uniform" and model.default_block_length == 8
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", ["sm_100", "sm_120"])
+def test_dry_run_plans_the_three_graphs_in_nvfp4_and_the_preflight_passes(exported, tmp_path, target):
+    from dlmrt.engines import build, targets
+    from dlmrt.engines.plan import make_plan
+
+    plan = make_plan(exported, targets.target_named(target), "nvfp4", tensorrt="11.4", store=tmp_path)
+    assert [graph.name for graph in plan.graphs] == list(CANVAS_GRAPHS)
+    assert plan.ranges["prefix"].startswith("0:")  # the prompt runs the encoder over no prefix
+    encode = next(graph for graph in plan.graphs if graph.name == "encode")
+    assert encode.shapes["past_sliding"][0][4] == 0 and encode.shapes["ids"][1] == [1, 8]  # opt: the canvas
+    assert any("experts' stacked weights stay in high precision" in note for note in plan.notes)
+    assert plan.plugins == []  # the step runs between the graphs, not inside them
+    assert list(build.dry_run_problems(plan)) == []
