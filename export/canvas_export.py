@@ -44,8 +44,7 @@ sums as the eager code's routed tokens.
 
 from __future__ import annotations
 
-import json
-import time
+import functools
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -54,13 +53,11 @@ import onnx
 import torch
 from torch import Tensor, nn
 
-from dlmrt import __version__, atomic
+from dlmrt import __version__
 from dlmrt.errors import UnsupportedFeatureError
-from dlmrt.export.export_manifest import (CANVAS_GRAPHS, ExportLimits, ExportManifest, GraphEntry, ModelFacts,
-                                          TensorContract)
-from dlmrt.export.models import Denoiser, SpecialTokens
+from dlmrt.export.export_manifest import CANVAS_GRAPHS
+from dlmrt.export.models import Denoiser
 from dlmrt.export.models.residual import Residual
-from dlmrt.hashing import sha256_of
 
 EXAMPLE_BATCH, EXAMPLE_WINDOW, EXAMPLE_PREFIX = 3, 6, 5  # distinct, so that no two dimensions are unified
 CACHE_INPUTS = ("past_key_mask", "past_sliding", "past_full", "past_positions")
@@ -195,37 +192,12 @@ def export(model: Denoiser, out_dir: str | Path, *, opset: int, max_batch: int, 
            on_graph: Callable[[str], None] | None = None) -> Path:
     """Write the encode, decode and soft-token graphs of the uniform-noise `model` and their manifest to
     `out_dir`, atomically. The arguments are checked by `onnx_export.export`, which calls this."""
-    from dlmrt.export.onnx_export import save_graph
+    from dlmrt.export.onnx_export import write_export
 
     check_exportable(model)
-    started = time.perf_counter()
-    out_dir = Path(out_dir)
     model.eval()
-    with atomic.directory(out_dir, replaces=ExportManifest.present, what="a dlmrt export") as staging:
-        graphs = {}
-        for graph in CANVAS_GRAPHS:
-            onnx_model = export_graph(model, graph, opset, max_batch, max_length)
-            path = staging / graph_file(graph)
-            save_graph(onnx_model, path)
-            onnx.checker.check_model(path, full_check=True)
-            graphs[graph] = GraphEntry(file=path.name, inputs=TensorContract.of_values(onnx_model.graph.input),
-                                       outputs=TensorContract.of_values(onnx_model.graph.output))
-            if on_graph is not None:
-                on_graph(graph)
-        if model.tokenizer is not None:  # so that an export directory is all a runtime needs
-            atomic.write_text(staging / "tokenizer.json", model.tokenizer.to_str())
-        atomic.write_text(staging / "generation_config.json", json.dumps(model.generation_config, indent=2))
-        files = {p.name: sha256_of(p) for p in sorted(staging.iterdir()) if p.is_file()}
-        ExportManifest(
-            model=ModelFacts(name=model.name, model_type=model.model_type, dtype=str(model.dtype).split(".")[-1],
-                             vocab_size=model.vocab_size, hidden_size=model.hidden_size,
-                             num_layers=model.num_layers, num_kv_heads=model.num_kv_heads,
-                             head_dim=model.head_dim, max_positions=model.max_positions,
-                             block_causal=model.block_causal, block_grid=None, residual=False,
-                             noise="uniform", canvas_length=model.canvas_length),
-            tokens=SpecialTokens(model.tokens.mask_id, tuple(model.tokens.eos_ids), model.tokens.pad_id),
-            limits=ExportLimits(max_batch=max_batch, max_length=max_length), graphs=graphs, files=files,
-            opset=opset, dlmrt_version=__version__, torch_version=torch.__version__,
-            onnx_version=onnx.__version__, exported_s=round(time.perf_counter() - started, 2),
-        ).save(staging)
-    return out_dir
+    return write_export(model, out_dir, {graph: functools.partial(export_graph, model, graph, opset, max_batch,
+                                                                  max_length) for graph in CANVAS_GRAPHS},
+                        graph_file, dict(block_grid=None, residual=False, noise="uniform",
+                                         canvas_length=model.canvas_length),
+                        opset=opset, max_batch=max_batch, max_length=max_length, on_graph=on_graph)

@@ -18,13 +18,15 @@ leaves no directory that loads.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import onnx
 import torch
@@ -214,17 +216,29 @@ def export(model: Denoiser, out_dir: str | Path, *, opset: int = DEFAULT_OPSET, 
     grid = (block_length or model.default_block_length) if model.block_causal else None
     for op in CUSTOM_OPS.values():
         op.register_schema()
+    names = GRAPHS + (GUIDED_GRAPHS if guidance else ())
+    return write_export(model, out_dir, {graph: functools.partial(export_graph, model, graph, grid, opset, max_batch,
+                                                                  max_length) for graph in names},
+                        graph_file, dict(block_grid=grid, residual=model.residual_config is not None),
+                        opset=opset, max_batch=max_batch, max_length=max_length, on_graph=on_graph)
+
+
+def write_export(model: Denoiser, out_dir: str | Path, graphs: Mapping[str, Callable[[], onnx.ModelProto]],
+                 file_of: Callable[[str], str], facts: Mapping[str, Any], *, opset: int, max_batch: int,
+                 max_length: int, on_graph: Callable[[str], None] | None) -> Path:
+    """Write an export directory atomically: each graph `graphs[name]()` makes (checked, as `file_of(name)`),
+    the model's tokenizer and generation config, and the manifest, whose model facts `facts` completes."""
     started = time.perf_counter()
     out_dir = Path(out_dir)
     with atomic.directory(out_dir, replaces=ExportManifest.present, what="a dlmrt export") as staging:
-        graphs = {}
-        for graph in GRAPHS + (GUIDED_GRAPHS if guidance else ()):
-            onnx_model = export_graph(model, graph, grid, opset, max_batch, max_length)
-            path = staging / graph_file(graph)
+        entries = {}
+        for graph, make in graphs.items():
+            onnx_model = make()
+            path = staging / file_of(graph)
             save_graph(onnx_model, path)
             onnx.checker.check_model(path, full_check=True)
-            graphs[graph] = GraphEntry(file=path.name, inputs=TensorContract.of_values(onnx_model.graph.input),
-                                       outputs=TensorContract.of_values(onnx_model.graph.output))
+            entries[graph] = GraphEntry(file=path.name, inputs=TensorContract.of_values(onnx_model.graph.input),
+                                        outputs=TensorContract.of_values(onnx_model.graph.output))
             if on_graph is not None:
                 on_graph(graph)
         if model.tokenizer is not None:  # so that an export directory is all a runtime needs
@@ -236,10 +250,9 @@ def export(model: Denoiser, out_dir: str | Path, *, opset: int = DEFAULT_OPSET, 
                              vocab_size=model.vocab_size, hidden_size=model.hidden_size,
                              num_layers=model.num_layers, num_kv_heads=model.num_kv_heads,
                              head_dim=model.head_dim, max_positions=model.max_positions,
-                             block_causal=model.block_causal, block_grid=grid,
-                             residual=model.residual_config is not None),
+                             block_causal=model.block_causal, **facts),
             tokens=SpecialTokens(model.tokens.mask_id, tuple(model.tokens.eos_ids), model.tokens.pad_id),
-            limits=ExportLimits(max_batch=max_batch, max_length=max_length), graphs=graphs, files=files,
+            limits=ExportLimits(max_batch=max_batch, max_length=max_length), graphs=entries, files=files,
             opset=opset, dlmrt_version=__version__, torch_version=torch.__version__,
             onnx_version=onnx.__version__, exported_s=round(time.perf_counter() - started, 2),
         ).save(staging)

@@ -78,6 +78,23 @@ def cuda_provider(device: torch.device, stream: torch.cuda.Stream, cuda_graph: b
                                      "enable_cuda_graph": "1" if cuda_graph else "0", "use_tf32": "0"}
 
 
+def session_options(optimization: str, threads: int | None):
+    """ONNX Runtime session options at an optimization level (OPTIMIZATION_LEVELS), with `threads` intra-op
+    threads (None: ONNX Runtime's default)."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3  # errors only: its notes on saved optimized models concern no user
+    options.graph_optimization_level = {
+        "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+        "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+        "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+        "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}[optimization]
+    if threads is not None:
+        options.intra_op_num_threads = threads
+    return options
+
+
 class OrtBackend(Backend):
     def __init__(self, export_dir: str | Path, *, device: str | torch.device = "cpu", cuda_graph: bool | None = None,
                  threads: int | None = None, optimization: str = "all",
@@ -113,15 +130,7 @@ class OrtBackend(Backend):
         cache = OptimizedModelCache(optimized_model_dir) if optimized_model_dir is not None else None
         self.sessions = {}
         for graph, entry in self.manifest.graphs.items():
-            options = ort.SessionOptions()
-            options.log_severity_level = 3  # errors only: its notes on saved optimized models concern no user
-            options.graph_optimization_level = {
-                "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
-                "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
-                "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
-                "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}[optimization]
-            if threads is not None:
-                options.intra_op_num_threads = threads
+            options = session_options(optimization, threads)
             source: str | bytes = str(self.export_dir / entry.file)
             self.manifest.check_graph(graph, onnx.load(source, load_external_data=False), source)
             external = f"{entry.file}.data" in self.manifest.files

@@ -27,12 +27,12 @@ from dlmrt.errors import ArgumentError
 from dlmrt.export.export_manifest import ExportManifest
 from dlmrt.export.models.diffusion_gemma import LayerGroupKV
 from dlmrt.export.models.residual import Residual
+from dlmrt.runtime.ort_backend import OPTIMIZATION_LEVELS, session_options
 from dlmrt.runtime.backend import Backend, ModelSpec
 from dlmrt.runtime.device_state import BucketLadder, DeviceState
 from dlmrt.runtime.device_step import StepKind
 from dlmrt.runtime.uniform_noise import CanvasBackend
 
-OPTIMIZATION_LEVELS = ("disable", "basic", "extended", "all")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16}
 
 
@@ -65,15 +65,7 @@ class OrtCanvasBackend(Backend, CanvasBackend):
                                             canvas_hint=spec.limits_hint))
         self.sessions = {}
         for graph, entry in self.manifest.graphs.items():
-            options = ort.SessionOptions()
-            options.log_severity_level = 3  # errors only
-            options.graph_optimization_level = {
-                "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
-                "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
-                "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
-                "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}[optimization]
-            if threads is not None:
-                options.intra_op_num_threads = threads
+            options = session_options(optimization, threads)
             source = str(self.export_dir / entry.file)
             self.manifest.check_graph(graph, onnx.load(source, load_external_data=False), source)
             self.sessions[graph] = ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
