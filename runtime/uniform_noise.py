@@ -82,6 +82,8 @@ class UniformNoiseRun:
         self.lengths = lengths.to(device)
         self.seeds = (settings.seed + torch.arange(self.batch, dtype=torch.long)).to(device)
         self.temperatures = temperature_schedule(self.policy.t_min, self.policy.t_max, self.policy.steps).to(device)
+        # each step's counter, per row: made once, not in the step loop
+        self.step_counters = torch.arange(self.policy.steps, device=device)[:, None].expand(-1, self.batch)
         self.bounds = torch.full((self.batch,), self.policy.entropy_bound, dtype=torch.float32, device=device)
         self.eos = torch.tensor(self.spec.eos_ids, dtype=torch.long, device=device)
         self.stops_at_eos = not settings.ignore_eos and len(self.spec.eos_ids) > 0
@@ -153,7 +155,7 @@ class UniformNoiseRun:
             tick = time.perf_counter()
             logits = backend.decode(canvas, positions, key_mask, cache, soft)
             params = RenoiseParams(self.temperatures[step].expand(self.batch), self.bounds, self.seeds,
-                                   torch.full_like(self.seeds, step))
+                                   self.step_counters[step])
             result = entropy_bound_step(logits, canvas, positions, params, finished=done)
             new_argmax = torch.where(done[:, None], argmax, result.argmax)
             stable_run = stability(new_argmax, argmax, stable_run)

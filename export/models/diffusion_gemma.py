@@ -50,7 +50,7 @@ from dlmrt import limits
 from dlmrt.errors import ArgumentError, CheckpointError, UnsupportedFeatureError
 from dlmrt.export.models import config as config_parsing
 from dlmrt.export.models.denoiser import Denoiser, DenoiserOutput, SpecialTokens
-from dlmrt.export.models.layers import in_fixed_shape_graph
+from dlmrt.export.models.layers import SwiGLU, in_fixed_shape_graph
 from dlmrt.export.models.residual import Residual, ResidualConfig
 
 __all__ = ["DiffusionGemma", "DiffusionGemmaConfig", "LayerGroupKV", "parameter_count", "parse_config"]
@@ -273,14 +273,8 @@ class GemmaRMSNorm(nn.Module):
         return x32.to(x.dtype)
 
 
-class GatedGELU(nn.Module):
-    """`down_proj(gelu_tanh(gate_proj(x)) * up_proj(x))`."""
-
-    def __init__(self, hidden: int, inner: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, inner, bias=False)
-        self.up_proj = nn.Linear(hidden, inner, bias=False)
-        self.down_proj = nn.Linear(inner, hidden, bias=False)
+class GatedGELU(SwiGLU):
+    """SwiGLU's projections with GELU (tanh): `down_proj(gelu_tanh(gate_proj(x)) * up_proj(x))`."""
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
