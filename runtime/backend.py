@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from dlmrt.export.export_manifest import ExportManifest
+    from dlmrt.runtime.canvas_state import CanvasBucket, CanvasState
     from dlmrt.runtime.device_state import Bucket, BucketLadder, DeviceState
     from dlmrt.runtime.device_step import StepKind
 
@@ -77,22 +78,29 @@ class Backend(ABC):
         self._states: dict[Bucket, DeviceState] = {}
         self._owners: dict[Bucket, weakref.ref] = {}
 
-    def prepare(self, bucket: Bucket, owner: object) -> DeviceState:
-        """The static state of `bucket` (allocated on first use) for `owner`, a running request. A
-        bucket runs one request at a time; it is free again once `release` was called or its owner
+    def prepare(self, bucket: Bucket | CanvasBucket, owner: object) -> DeviceState | CanvasState:
+        """The static state of `bucket` (allocated on first use) for `owner`, a running request: a
+        DeviceState for a mask model's Bucket, a CanvasState for a uniform-noise model's CanvasBucket.
+        A bucket runs one request at a time; it is free again once `release` was called or its owner
         is gone."""
-        from dlmrt.runtime.device_state import DeviceState
-
         holder = self._owners.get(bucket)
         if holder is not None and holder() is not None and holder() is not owner:
             raise ArgumentError("this backend is already decoding a batch of the same shape: finish or close the "
                                 "other generate stream first, or give each concurrent stream its own backend")
         if bucket not in self._states:
-            self._states[bucket] = DeviceState.allocate(self.spec, bucket)
+            self._states[bucket] = self._allocate(bucket)
         self._owners[bucket] = weakref.ref(owner)
         return self._states[bucket]
 
-    def release(self, state: DeviceState) -> None:
+    def _allocate(self, bucket: Bucket | CanvasBucket) -> DeviceState | CanvasState:
+        from dlmrt.runtime.canvas_state import CanvasBucket, CanvasState
+        from dlmrt.runtime.device_state import DeviceState
+
+        if isinstance(bucket, CanvasBucket):
+            return CanvasState.allocate(self.spec, bucket, self.cache_groups())
+        return DeviceState.allocate(self.spec, bucket)
+
+    def release(self, state: DeviceState | CanvasState) -> None:
         self._owners.pop(state.bucket, None)
 
     def prepare_steps(self, state: DeviceState, kind: StepKind, steps: int) -> float:

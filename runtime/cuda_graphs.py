@@ -13,10 +13,10 @@ from collections.abc import Callable
 
 import torch
 
-from dlmrt.runtime.device_state import DeviceState
+from dlmrt.runtime.static_buffers import StaticBuffers
 
 
-def capture(run_steps: Callable[[], None], state: DeviceState, device: torch.device, pool) -> Callable[[], None]:
+def capture(run_steps: Callable[[], None], state: StaticBuffers, device: torch.device, pool) -> Callable[[], None]:
     """`run_steps` (K steps on `state`) warmed up and captured; returns the graph's replay."""
     saved = state.snapshot()
     side = torch.cuda.Stream(device=device)

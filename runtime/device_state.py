@@ -15,7 +15,7 @@ to its bucket, and padding is inert:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -24,6 +24,7 @@ from dlmrt import limits
 from dlmrt.errors import ArgumentError
 from dlmrt.runtime.backend import ModelSpec
 from dlmrt.runtime.layout import Layout
+from dlmrt.runtime.static_buffers import StaticBuffers
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,7 @@ class WindowBuffers:
 
 
 @dataclass
-class DeviceState:
+class DeviceState(StaticBuffers):
     """The static buffers of one bucket (shapes: B rows, B' model rows, L canvas positions)."""
 
     bucket: Bucket
@@ -206,19 +207,6 @@ class DeviceState:
                 ids=self.canvas.new_zeros(rows, length), positions=self.positions.new_zeros(rows, length),
                 key_mask=self.key_mask.new_zeros(rows, length), z=z, certainty=certainty)
         return self.windows[length]
-
-    def tensors(self) -> dict[str, Tensor]:
-        """Every buffer by name but the window buffers (scratch, refilled before each step)."""
-        return {f.name: getattr(self, f.name) for f in fields(self)
-                if isinstance(getattr(self, f.name), Tensor)}
-
-    def snapshot(self) -> dict[str, Tensor]:
-        """A copy of every buffer, for `restore` after a warm-up, compile or capture run."""
-        return {name: tensor.clone() for name, tensor in self.tensors().items()}
-
-    def restore(self, saved: dict[str, Tensor]) -> None:
-        for name, tensor in saved.items():
-            getattr(self, name).copy_(tensor)
 
     # -- requests in and out --------------------------------------------------------------------
     def load(self, layout: Layout, params: dict[str, Tensor], cfg_scale: float) -> None:

@@ -52,15 +52,21 @@ class _Binding:
         self.session, self.state, self.outputs = session, state, outputs  # the state stays alive with its binding
         self.results = device_step.graph_outputs(outputs, kind)
         self.run_options = run_options
-        self.binding = session.io_binding()
-        for name, tensor in inputs.items():
-            _bind(self.binding.bind_input, name, tensor)
-        for name, tensor in outputs.items():
-            _bind(self.binding.bind_output, name, tensor)
+        self.binding = io_binding(session, inputs, outputs)
 
     def __call__(self, inputs) -> GraphOutputs:
         self.session.run_with_iobinding(self.binding, self.run_options)
         return self.results
+
+
+def io_binding(session, inputs: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor]):
+    """An IO binding of `session` to static buffers, by name: runs read and write them in place."""
+    binding = session.io_binding()
+    for name, tensor in inputs.items():
+        _bind(binding.bind_input, name, tensor)
+    for name, tensor in outputs.items():
+        _bind(binding.bind_output, name, tensor)
+    return binding
 
 
 def _bind(bind, name: str, tensor: torch.Tensor) -> None:

@@ -6,9 +6,10 @@ ONNX Runtime on the CPU, as the `CanvasBackend` of the uniform-noise loop (`dlmr
 
 One session per graph of `dlmrt.export.canvas_export`: `encode` (the cache commit; the prompt runs it
 over an empty prefix), `decode` (the denoising step) and `soft_tokens` (the next step's
-self-conditioning). The cache is a `LayerGroupKV` of CPU tensors, what the encoder graph returned;
-tensors pass to and from ONNX Runtime as numpy arrays over the same memory. The loop's `[B, P + T]`
-key mask is split into the graphs' `past_key_mask [B, P]` and `key_mask [B, T]`.
+self-conditioning). The steps are `dlmrt.runtime.canvas_step`, as for every backend, with the two
+step graphs bound once per bucket to its static buffers (IO binding): the decoder reads the canvas,
+the soft tokens and the whole cache storage with its `past_key_mask`, and writes the logits into a
+buffer of its own. The encoder runs once per block, on numpy arrays over the same memory.
 
 `soft_tokens` runs the exported `soft_tokens` graph, so z = softmax(scaled logits) @ E uses the
 embedding matrix exported beside it (hashed in the manifest), not one read out of the decoder graph.
@@ -26,9 +27,10 @@ from torch import Tensor
 from dlmrt.errors import ArgumentError
 from dlmrt.export.export_manifest import ExportManifest
 from dlmrt.export.models.diffusion_gemma import LayerGroupKV
-from dlmrt.export.models.residual import Residual
-from dlmrt.runtime.ort_backend import OPTIMIZATION_LEVELS, session_options
+from dlmrt.runtime import canvas_step
+from dlmrt.runtime.ort_backend import OPTIMIZATION_LEVELS, io_binding, session_options
 from dlmrt.runtime.backend import Backend, ModelSpec
+from dlmrt.runtime.canvas_state import CacheGroup, CanvasState
 from dlmrt.runtime.device_state import BucketLadder, DeviceState
 from dlmrt.runtime.device_step import StepKind
 from dlmrt.runtime.uniform_noise import CanvasBackend
@@ -72,35 +74,32 @@ class OrtCanvasBackend(Backend, CanvasBackend):
         # The fixed sizes of each cache group, from the decoder's contract: [layers, 2, B, heads, P, head size].
         inputs = {c.name: c.shape for c in self.manifest.graphs["decode"].inputs}
         self._cache_shapes = {name: inputs[name] for name in ("past_sliding", "past_full")}
+        self._graphs: dict[int, _OrtCanvasGraphs] = {}  # per state
 
     # -- CanvasBackend --------------------------------------------------------------------------------
+    def cache_groups(self) -> tuple[CacheGroup, CacheGroup]:
+        return tuple(CacheGroup(layers, heads, head) for layers, _, _, heads, _, head in self._cache_shapes.values())
+
     def empty_cache(self, batch: int) -> LayerGroupKV:
         """The cache before the prompt: no positions."""
-        groups = [torch.zeros(layers, 2, batch, heads, 0, head, dtype=self.spec.dtype)
-                  for layers, _, _, heads, _, head in self._cache_shapes.values()]
+        groups = [torch.zeros(group.layers, 2, batch, group.heads, 0, group.head_dim, dtype=self.spec.dtype)
+                  for group in self.cache_groups()]
         return LayerGroupKV(*groups, torch.zeros(batch, 0, dtype=torch.long))
 
     def encode(self, ids: Tensor, positions: Tensor, key_mask: Tensor, cache: LayerGroupKV | None) -> LayerGroupKV:
-        if cache is None:  # the prompt: the first call of a request, so its limits are checked here
-            self._check_batch(ids.shape[0])
+        if cache is None:  # the prompt
             cache = self.empty_cache(ids.shape[0])
         sliding, full, cache_positions = self._run("encode", {"ids": ids, "positions": positions,
                                                               **self._cache_feeds(ids, key_mask, cache)})
         return LayerGroupKV(sliding, full, cache_positions)
 
-    def decode(self, canvas: Tensor, positions: Tensor, key_mask: Tensor, cache: LayerGroupKV | None,
-               soft_tokens: Residual | None) -> Tensor:
-        if cache is None:  # a canvas with no context
-            cache = self.empty_cache(canvas.shape[0])
-        z = (torch.zeros(*canvas.shape, self.spec.hidden_size, dtype=self.spec.dtype) if soft_tokens is None
-             else soft_tokens.z)  # zeros: the decoder's first step, no self-conditioning
-        (logits,) = self._run("decode", {"canvas": canvas, "positions": positions, "z": z,
-                                         **self._cache_feeds(canvas, key_mask, cache)})
-        return logits
-
-    def soft_tokens(self, scaled_logits: Tensor) -> Residual:
-        z, certainty = self._run("soft_tokens", {"scaled_logits": scaled_logits.float()})
-        return Residual(z, certainty)
+    def run_canvas(self, state: CanvasState, steps: int) -> None:
+        key = id(state)
+        if key not in self._graphs:
+            self._graphs[key] = _OrtCanvasGraphs(self, state)
+        graphs = self._graphs[key]
+        for _ in range(steps):
+            canvas_step.step(state, graphs)
 
     # -- the mask models' step contract, which these graphs do not implement ------------------------------
     def run(self, state: DeviceState, kind: StepKind, steps: int) -> None:
@@ -108,11 +107,6 @@ class OrtCanvasBackend(Backend, CanvasBackend):
                             f"loop (Generator does so), not as mask-model steps")
 
     # -- running a graph ------------------------------------------------------------------------------
-    def _check_batch(self, batch: int) -> None:
-        if batch > self.manifest.limits.max_batch:
-            raise ArgumentError(f"{batch} prompts exceed the batch limit of {self.manifest.limits.max_batch} this "
-                                f"export was made for: {self.spec.limits_hint}")
-
     @staticmethod
     def _cache_feeds(ids: Tensor, key_mask: Tensor, cache: LayerGroupKV) -> dict[str, Tensor]:
         prefix = cache.positions.shape[1]
@@ -125,3 +119,33 @@ class OrtCanvasBackend(Backend, CanvasBackend):
     def _run(self, graph: str, feeds: dict[str, Tensor]) -> list[Tensor]:
         arrays = {name: np.ascontiguousarray(tensor.detach().cpu().numpy()) for name, tensor in feeds.items()}
         return [torch.from_numpy(array) for array in self.sessions[graph].run(None, arrays)]
+
+
+class _OrtCanvasGraphs:
+    """The decode and soft_tokens sessions bound once to a bucket's buffers (IO binding): a step
+    binds, allocates and copies nothing but the scaled logits into the soft_tokens input."""
+
+    def __init__(self, backend: OrtCanvasBackend, state: CanvasState):
+        self.state = state  # the state stays alive with its binding
+        rows, width = state.canvas.shape
+        self.logits = torch.empty(rows, width, backend.spec.vocab_size, dtype=torch.float32)
+        self.scaled = torch.empty_like(self.logits)
+        self.z, self.certainty = torch.empty_like(state.z), torch.empty(rows, width, dtype=torch.float32)
+        self.decode_session, self.soft_session = backend.sessions["decode"], backend.sessions["soft_tokens"]
+        self.decode_binding = io_binding(self.decode_session, {
+            "canvas": state.canvas, "positions": state.positions, "key_mask": state.key_mask,
+            "past_key_mask": state.past_key_mask, "past_sliding": state.cache_sliding,
+            "past_full": state.cache_full, "past_positions": state.cache_positions, "z": state.z},
+            {"logits": self.logits})
+        self.soft_binding = io_binding(self.soft_session, {"scaled_logits": self.scaled},
+                                     {"z": self.z, "certainty": self.certainty})
+
+    def decode(self, state: CanvasState) -> Tensor:
+        self.decode_session.run_with_iobinding(self.decode_binding)
+        return self.logits
+
+    def soft_tokens(self, scaled_logits: Tensor) -> Tensor:
+        self.scaled.copy_(scaled_logits)
+        self.soft_session.run_with_iobinding(self.soft_binding)
+        return self.z
+

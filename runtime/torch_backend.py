@@ -33,9 +33,12 @@ from torch import Tensor
 
 from dlmrt.errors import ArgumentError
 from dlmrt.export.models import Denoiser
+from dlmrt.export.models.diffusion_gemma import FULL, SLIDING
+from dlmrt.export.models.residual import Residual
 from dlmrt.export.step_graph import StepGraph, check_unmask
-from dlmrt.runtime import cuda_graphs, device_step, onednn
+from dlmrt.runtime import canvas_step, cuda_graphs, device_step, onednn
 from dlmrt.runtime.backend import Backend, ModelSpec
+from dlmrt.runtime.canvas_state import CacheGroup, CanvasState
 from dlmrt.runtime.device_state import BucketLadder, DeviceState
 from dlmrt.runtime.device_step import GraphOutputs, StepKind
 from dlmrt.runtime.uniform_noise import CanvasBackend
@@ -116,7 +119,7 @@ class TorchBackend(Backend, CanvasBackend):
         self._graphs: dict[tuple, _TorchGraph] = {}
         self._runners: dict[tuple, object] = {}  # (state, kind, steps) -> what `run` calls
         self._fallback_warned = False
-        self._compiled = None
+        self._compiled = self._compiled_canvas = None
         self._compile_model: Denoiser | None = None
         self._pool = None
         self.on_compile = on_compile  # told what is compiled or captured, before it is
@@ -140,31 +143,38 @@ class TorchBackend(Backend, CanvasBackend):
 
     # -- Backend ------------------------------------------------------------------------------------
     def prepare_steps(self, state: DeviceState, kind: StepKind, steps: int) -> float:
-        key = (id(state), kind, steps)  # a runner holds its state, so the id stays its own
-        if key in self._runners:
+        device_step.allocate(state, kind)
+        bucket = state.bucket
+
+        def eager():
+            graph = self._graph(state, kind, self.model)
+            return lambda: self._steps(state, kind, steps, graph)
+        return self._prepare((id(state), kind, steps), f"a batch of {bucket.batch} x {bucket.canvas}", steps,
+                             lambda: self._build(state, kind, steps), eager)
+
+    def _prepare(self, key: tuple, shape: str, steps: int, build: Callable[[], Callable[[], None]],
+                 eager: Callable[[], Callable[[], None]]) -> float:
+        """Build the runner of `key` (a state's id, what it runs, and K) on first use, in this backend's
+        mode; `eager` builds the fallback. Returns the seconds spent."""
+        if key in self._runners:  # a runner holds its state, so the id stays its own
             return 0.0
         started = time.perf_counter()
-        device_step.allocate(state, kind)
         if self.mode != "eager" and self.on_compile is not None:
-            bucket = state.bucket
-            self.on_compile(f"{_DO[self.mode]}: {steps} step(s) for a batch of {bucket.batch} x {bucket.canvas} "
-                            f"(once per shape)")
+            self.on_compile(f"{_DO[self.mode]}: {steps} step(s) for {shape} (once per shape)")
         try:
-            runner = self._build(state, kind, steps)
+            runner = build()
         except Exception as error:  # noqa: BLE001  (any compile or capture failure)
             if self.mode == "eager":
                 raise
             if not self.falls_back:
-                raise ArgumentError(f"mode {self.mode!r} failed to {_DO[self.mode]} the step for a batch of "
-                                    f"{state.bucket.batch} x {state.bucket.canvas}: {type(error).__name__}: "
-                                    f"{_first_line(error)}; use --mode eager") from error
+                raise ArgumentError(f"mode {self.mode!r} failed to {_DO[self.mode]} the step for {shape}: "
+                                    f"{type(error).__name__}: {_first_line(error)}; use --mode eager") from error
             if not self._fallback_warned:
                 warnings.warn(f"dlmrt: the {self.mode} mode failed to {_DO[self.mode]} a step "
                               f"({type(error).__name__}: {_first_line(error)}); running eagerly instead",
-                              RuntimeWarning, stacklevel=2)
+                              RuntimeWarning, stacklevel=3)
                 self._fallback_warned = True
-            graph = self._graph(state, kind, self.model)
-            runner = lambda: self._steps(state, kind, steps, graph)  # noqa: E731
+            runner = eager()
         self._runners[key] = runner
         return time.perf_counter() - started
 
@@ -173,19 +183,32 @@ class TorchBackend(Backend, CanvasBackend):
         self.prepare_steps(state, kind, steps)
         self._runners[(id(state), kind, steps)]()
 
-    # -- CanvasBackend: uniform-noise models, op by op ------------------------------------------------
+    # -- CanvasBackend: uniform-noise models ----------------------------------------------------------
+    def cache_groups(self) -> tuple[CacheGroup, CacheGroup]:
+        config = self.model.config
+        return tuple(CacheGroup(config.layer_types.count(kind), config.kv_heads(kind), config.head_dim(kind))
+                     for kind in (SLIDING, FULL))
+
     @torch.no_grad()
     def encode(self, ids: Tensor, positions: Tensor, key_mask: Tensor, cache):
         return self.model.encode(ids, positions=positions, key_mask=key_mask, past=cache)
 
-    @torch.no_grad()
-    def decode(self, canvas: Tensor, positions: Tensor, key_mask: Tensor, cache, soft_tokens) -> Tensor:
-        return self.model.denoise(canvas, positions=positions, key_mask=key_mask, past=cache,
-                                  residual=soft_tokens).logits
+    def prepare_canvas_steps(self, state: CanvasState, steps: int) -> float:
+        bucket = state.bucket
+        graphs = _TorchCanvasGraphs(self.model)
+        return self._prepare((id(state), "canvas", steps), f"a batch of {bucket.batch} x {bucket.width} after "
+                             f"{bucket.storage} cached", steps, lambda: self._build_canvas(state, steps),
+                             lambda: lambda: self._canvas_steps(state, steps, graphs))
 
     @torch.no_grad()
-    def soft_tokens(self, scaled_logits: Tensor):
-        return self.model.soft_tokens(scaled_logits)
+    def run_canvas(self, state: CanvasState, steps: int) -> None:
+        self.prepare_canvas_steps(state, steps)
+        self._runners[(id(state), "canvas", steps)]()
+
+    @staticmethod
+    def _canvas_steps(state: CanvasState, steps: int, graphs: _TorchCanvasGraphs) -> None:
+        for _ in range(steps):
+            canvas_step.step(state, graphs)
 
     # -- building a runner per mode -------------------------------------------------------------------
     @torch.no_grad()
@@ -223,6 +246,48 @@ class TorchBackend(Backend, CanvasBackend):
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         return cuda_graphs.capture(lambda: self._steps(state, kind, steps, graph), state, self.spec.device, self._pool)
+
+
+    @torch.no_grad()
+    def _build_canvas(self, state: CanvasState, steps: int):
+        graphs = _TorchCanvasGraphs(self.model)
+        if self.mode == "eager":
+            return lambda: self._canvas_steps(state, steps, graphs)
+        if self.mode == "cudagraph":
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            return cuda_graphs.capture(lambda: self._canvas_steps(state, steps, graphs), state, self.spec.device,
+                                       self._pool)
+        if self._compiled_canvas is None:
+            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(_inductor_cache()))
+            self._compiled_canvas = torch.compile(canvas_step.step, fullgraph=True, dynamic=False)
+        saved = state.snapshot()
+        try:
+            with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT,
+                                            accumulated_recompile_limit=_RECOMPILE_LIMIT):
+                self._compiled_canvas(state, graphs)  # compiles, then runs: undone below
+        finally:
+            state.restore(saved)
+
+        def run():
+            for _ in range(steps):
+                self._compiled_canvas(state, graphs)
+        return run
+
+
+class _TorchCanvasGraphs:
+    """A uniform-noise model's decoder and soft tokens as `canvas_step.step` calls them."""
+
+    def __init__(self, model: Denoiser):
+        self.model = model
+
+    def decode(self, state: CanvasState) -> Tensor:
+        key_mask = torch.cat((state.past_key_mask, state.key_mask), dim=1)
+        return self.model.denoise(state.canvas, positions=state.positions, key_mask=key_mask, past=state.cache,
+                                  residual=Residual(state.z, None)).logits
+
+    def soft_tokens(self, scaled_logits: Tensor) -> Tensor:
+        return self.model.soft_tokens(scaled_logits).z
 
 
 _DO = {"compile": "compile", "cudagraph": "capture"}

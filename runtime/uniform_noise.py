@@ -4,16 +4,20 @@
         gen_length=256, block_length=256, policy=EntropyBound()))
 
 The Generator hands a request to this loop when its model has no mask token (`ModelSpec.noise`).
-A block is the model's canvas. For each block:
+The request is laid out in a shape bucket's static buffers (`dlmrt.runtime.canvas_state`), and the
+encoder writes the prompt's K/V into the bucket's cache storage. A block is the model's canvas. For
+each block:
 
-1. the canvas starts as uniform random tokens (`dlmrt.plugins.entropy_bound.initial_canvas`);
-2. each step runs the decoder over [cache; canvas], self-conditioned on the last step's soft tokens,
-   then `entropy_bound_step`: scale by the step's temperature, sample, keep the low-entropy samples,
-   refill the rest. A row whose argmax is stable and whose mean entropy is small stops: from then on
-   its canvas and argmax stay as they were, so the steps that still run for other rows, or that run
-   before the host next looks (K steps per read, `steps_per_sync`), change nothing of it;
-3. the block's tokens are each row's last argmax, cut after the first EOS (pad after it), and the
-   encoder commits them to the cache (the "cache commit"), unless no row goes on.
+1. the canvas starts as uniform random tokens (`CanvasState.start_block`);
+2. the backend runs K steps of `dlmrt.runtime.canvas_step` back to back on the device (the decoder
+   over [cache; canvas], self-conditioned on the last step's soft tokens, then
+   `entropy_bound_step`), and the host reads one flag, whether every row is done, before it decides
+   on the next K (`steps_per_sync`). A row whose argmax is stable and whose mean entropy is small
+   stops: from then on its canvas and argmax stay as they were, so the steps that still run for
+   other rows change nothing of it;
+3. the block's tokens are each row's last argmax, cut after the first EOS (pad after it), read once
+   by the host; the encoder commits them to the cache storage (the "cache commit"), unless no row
+   goes on.
 
 Rows finished at an EOS stay in the batch, inert (all pad), until every row is done. Every random
 number is a counter-based function of (row seed, step, position), so a row decodes as it does
@@ -25,13 +29,14 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from dlmrt.plugins.entropy_bound import (RenoiseParams, entropy_bound_step, initial_canvas, pad_after_eos,
-                                         should_stop, stability, temperature_schedule)
+from dlmrt.export.models.diffusion_gemma import LayerGroupKV
+from dlmrt.plugins.entropy_bound import pad_after_eos, temperature_schedule
+from dlmrt.runtime.canvas_state import CacheGroup, CanvasBucket, CanvasState
 from dlmrt.runtime.metrics import GenerationMetrics, peak_memory_bytes, reset_peak_memory
 from dlmrt.runtime.text import completion
 
@@ -40,22 +45,31 @@ if TYPE_CHECKING:
     from dlmrt.runtime.policies import EntropyBound
     from dlmrt.runtime.settings import GenerationSettings
 
+# K on CUDA when steps_per_sync is not set: a host read per 8 steps, and at most 7 steps run past
+# the step at which the last row stopped (they change no token).
+CUDA_STEPS_PER_SYNC = 8
+
 
 class CanvasBackend(ABC):
-    """What the loop asks of a backend that runs a uniform-noise model."""
+    """What the loop asks of a backend that runs a uniform-noise model (beside `Backend.prepare`,
+    which hands out a `CanvasState` for a `CanvasBucket`)."""
 
     @abstractmethod
-    def encode(self, ids: Tensor, positions: Tensor, key_mask: Tensor, cache: Any | None) -> Any:
+    def cache_groups(self) -> tuple[CacheGroup, CacheGroup]:
+        """The shapes of the sliding and the full layers' cache."""
+
+    @abstractmethod
+    def encode(self, ids: Tensor, positions: Tensor, key_mask: Tensor, cache: LayerGroupKV | None) -> LayerGroupKV:
         """The cache commit: `cache` extended by the causal encoder's K/V of `ids [B, T]`."""
 
-    @abstractmethod
-    def decode(self, canvas: Tensor, positions: Tensor, key_mask: Tensor, cache: Any,
-               soft_tokens: Any | None) -> Tensor:
-        """The decoder's float32 logits `[B, W, V]` over the canvas after the cache."""
+    def prepare_canvas_steps(self, state: CanvasState, steps: int) -> float:
+        """Make `steps` back-to-back steps runnable on `state` (compile or capture them on first use);
+        returns the seconds this call spent doing so."""
+        return 0.0
 
     @abstractmethod
-    def soft_tokens(self, scaled_logits: Tensor) -> Any:
-        """The next step's self-conditioning from this step's temperature-scaled logits."""
+    def run_canvas(self, state: CanvasState, steps: int) -> None:
+        """Enqueue `steps` steps of `dlmrt.runtime.canvas_step` on `state`, reading nothing back."""
 
 
 class UniformNoiseRun:
@@ -69,106 +83,112 @@ class UniformNoiseRun:
         self.started = time.perf_counter()
         device = self.spec.device
         reset_peak_memory(device)
-        self.batch = len(prompts)
-        lengths = torch.tensor([len(p) for p in prompts])
-        width = int(lengths.max())
-        self.prompt_lengths = lengths.tolist()
-        ids = torch.full((self.batch, width), self.spec.pad_id, dtype=torch.long)
-        key_mask = torch.zeros(self.batch, width, dtype=torch.bool)
+        self.batch = rows = len(prompts)
+        width, gen_length, ladder = settings.block_length, settings.gen_length, backend.ladder
+        self.prompt_lengths = [len(p) for p in prompts]
+        total = ladder.canvas_for(max(self.prompt_lengths) + gen_length, width)
+        bucket = CanvasBucket(batch=ladder.batch_for(rows), prompt=total - gen_length, width=width,
+                              blocks=gen_length // width, steps=self.policy.steps)
+        ids = torch.full((bucket.batch, bucket.prompt), self.spec.pad_id, dtype=torch.long)
+        key_mask = torch.zeros(bucket.batch, bucket.prompt, dtype=torch.bool)
+        key_mask[rows:, -1] = True  # a padding row: one pad token of its own
         for row, prompt in enumerate(prompts):  # left padding: positions count each row's own tokens
-            ids[row, width - len(prompt):] = torch.tensor(list(prompt))
-            key_mask[row, width - len(prompt):] = True
-        self.prompt_ids, self.key_mask = ids.to(device), key_mask.to(device)
-        self.lengths = lengths.to(device)
-        self.seeds = (settings.seed + torch.arange(self.batch, dtype=torch.long)).to(device)
-        self.temperatures = temperature_schedule(self.policy.t_min, self.policy.t_max, self.policy.steps).to(device)
-        # each step's counter, per row: made once, not in the step loop
-        self.step_counters = torch.arange(self.policy.steps, device=device)[:, None].expand(-1, self.batch)
-        self.bounds = torch.full((self.batch,), self.policy.entropy_bound, dtype=torch.float32, device=device)
+            ids[row, bucket.prompt - len(prompt):] = torch.tensor(list(prompt))
+            key_mask[row, bucket.prompt - len(prompt):] = True
+        self.prompt_ids, self.prompt_mask = ids.to(device), key_mask.to(device)
+        policy = self.policy
+        schedule = temperature_schedule(policy.t_min, policy.t_max, policy.steps)
+        params = {"temperatures": schedule.expand(rows, -1),
+                  "entropy_bound": torch.full((rows,), policy.entropy_bound, dtype=torch.float32),
+                  "seed": settings.seed + torch.arange(rows, dtype=torch.long),
+                  "stability_threshold": torch.full((rows,), policy.stability_threshold, dtype=torch.long),
+                  "confidence_threshold": torch.full((rows,), policy.confidence_threshold, dtype=torch.float32)}
+        self.state: CanvasState = backend.prepare(bucket, owner=self)
+        self.state.load(self.prompt_mask, rows, {name: value.to(device) for name, value in params.items()})
         self.eos = torch.tensor(self.spec.eos_ids, dtype=torch.long, device=device)
         self.stops_at_eos = not settings.ignore_eos and len(self.spec.eos_ids) > 0
-        self.tokens = torch.full((self.batch, settings.gen_length), self.spec.pad_id, dtype=torch.long)
-        self.finished = torch.zeros(self.batch, dtype=torch.bool, device=device)
-        self.finish_reason: list[str | None] = [None] * self.batch
-        self.row_forwards = torch.zeros(self.batch, dtype=torch.long, device=device)
+        self.tokens = torch.full((rows, gen_length), self.spec.pad_id, dtype=torch.long)
+        self.finish_reason: list[str | None] = [None] * rows
+        self.row_forwards = [0] * rows
         self.encoder_forwards = self.executed = 0  # forwards of the encoder, and of the decoder
-        self.backend_s = 0.0
+        self.backend_s = self.compile_s = 0.0
 
     # -- the loop ------------------------------------------------------------------------------
     def events(self) -> Iterator[BlockUpdate]:
+        try:
+            yield from self._blocks()
+        finally:
+            self.row_forwards = self.state.forwards[:self.batch].tolist()
+            self.backend.release(self.state)
+
+    def _blocks(self) -> Iterator[BlockUpdate]:
         from dlmrt.runtime.generator import BlockUpdate
 
-        width = self.settings.block_length
-        tick = time.perf_counter()
-        cache = self.backend.encode(self.prompt_ids, (self.key_mask.long().cumsum(-1) - 1).clamp(min=0),
-                                    self.key_mask, None)
-        self.encoder_forwards += 1
-        self.backend_s += time.perf_counter() - tick
-        key_mask = self.key_mask
-        blocks = self.settings.gen_length // width
-        for block in range(blocks):
-            positions = self.lengths[:, None] + block * width + torch.arange(width, device=self.lengths.device)
-            key_mask = torch.cat((key_mask, key_mask.new_ones(self.batch, width)), dim=1)
-            tokens = self._denoise(positions, key_mask, cache)
-            if tokens is None:
+        state, bucket = self.state, self.state.bucket
+        positions = (self.prompt_mask.long().cumsum(-1) - 1).clamp(min=0)
+        self._encode(self.prompt_ids, positions, self.prompt_mask, None, 0)
+        for block in range(bucket.blocks):
+            state.start_block(block, self.spec.vocab_size)
+            if not self._denoise():
                 yield from self._finish_running("cancelled")
                 return
-            before = self.finished.clone()
+            tokens = state.argmax
             if self.stops_at_eos:
-                tokens = pad_after_eos(tokens, self.eos, self.spec.pad_id, before)
-                self.finished |= torch.isin(tokens, self.eos).any(-1)
-            host_tokens, finished = tokens.tolist(), self.finished.tolist()  # the one read per block
+                tokens = pad_after_eos(tokens, self.eos, self.spec.pad_id, state.finished)
+                state.finished.logical_or_(torch.isin(tokens, self.eos).any(-1))
+            host_tokens, finished = tokens[:self.batch].tolist(), state.finished[:self.batch].tolist()  # once a block
+            width = bucket.width
             self.tokens[:, block * width:(block + 1) * width] = torch.tensor(host_tokens)
-            last = block == blocks - 1
+            last = block == bucket.blocks - 1
             for row in range(self.batch):
-                if before[row]:
+                if self.finish_reason[row] is not None:
                     continue
                 reason = ("eos" if finished[row] else "length" if last else None)
                 self.finish_reason[row] = reason
-                update = completion(host_tokens[row], self.spec.eos_ids)
-                yield BlockUpdate(row, block, update, reason)
+                yield BlockUpdate(row, block, completion(host_tokens[row], self.spec.eos_ids), reason)
             if last or all(finished):
                 for row in range(self.batch):
                     self.finish_reason[row] = self.finish_reason[row] or "eos"
                 return
-            tick = time.perf_counter()
-            cache = self.backend.encode(tokens, positions, key_mask, cache)
-            self.encoder_forwards += 1
-            self.backend_s += time.perf_counter() - tick
+            slot = bucket.slot(block)
+            key_mask = torch.cat((state.past_key_mask[:, :slot], state.key_mask), dim=1)
+            self._encode(tokens, state.positions, key_mask, state.cache_before(block), slot)
+            state.past_key_mask[:, slot:slot + width] = True
 
-    def _denoise(self, positions: Tensor, key_mask: Tensor, cache: Any) -> Tensor | None:
-        """Up to `policy.steps` steps over one block; its tokens (each row's last argmax), or None when
-        cancelled. Rows finished in an earlier block are inert from the start."""
-        policy, backend = self.policy, self.backend
-        canvas = initial_canvas(self.seeds, positions, self.spec.vocab_size)
-        argmax = torch.full_like(canvas, -1)
-        stable_run = torch.zeros_like(self.seeds)
-        done = self.finished.clone()
-        soft = None
-        per_read = self.settings.steps_per_sync or 1
-        for step in range(policy.steps):
-            if step % per_read == 0:
-                if self.cancel is not None and self.cancel.is_set():
-                    return None
-                if step and bool(done.all()):  # the one host read per K steps
-                    break
+    def _encode(self, ids: Tensor, positions: Tensor, key_mask: Tensor, cache: LayerGroupKV | None,
+                start: int) -> None:
+        """Run the encoder and store the K/V it adds from cache position `start` on."""
+        tick = time.perf_counter()
+        self.state.write_cache(self.backend.encode(ids, positions, key_mask, cache), start)
+        self.encoder_forwards += 1
+        self.backend_s += time.perf_counter() - tick
+
+    def _steps_per_sync(self) -> int:
+        if self.settings.steps_per_sync is not None:
+            return self.settings.steps_per_sync
+        return CUDA_STEPS_PER_SYNC if self.spec.device.type == "cuda" else 1
+
+    def _denoise(self) -> bool:
+        """Up to `policy.steps` steps over the current block, K at a time; False when cancelled.
+        Rows finished in an earlier block are inert from the start."""
+        steps, per_read, taken = self.policy.steps, self._steps_per_sync(), 0
+        while taken < steps:
+            if self.cancel is not None and self.cancel.is_set():
+                return False
+            count = min(per_read, steps - taken)
+            self.compile_s += self.backend.prepare_canvas_steps(self.state, count)
             tick = time.perf_counter()
-            logits = backend.decode(canvas, positions, key_mask, cache, soft)
-            params = RenoiseParams(self.temperatures[step].expand(self.batch), self.bounds, self.seeds,
-                                   self.step_counters[step])
-            result = entropy_bound_step(logits, canvas, positions, params, finished=done)
-            new_argmax = torch.where(done[:, None], argmax, result.argmax)
-            stable_run = stability(new_argmax, argmax, stable_run)
-            self.row_forwards += ~done
-            done = done | should_stop(stable_run, result.mean_entropy, policy.stability_threshold,
-                                      policy.confidence_threshold)
-            canvas, argmax = result.canvas, new_argmax
-            soft = backend.soft_tokens(result.scaled_logits)
+            self.backend.run_canvas(self.state, count)
+            all_done = bool(self.state.done.all())  # the one host read per K steps
             self.backend_s += time.perf_counter() - tick
-            self.executed += 1
+            taken += count
+            self.executed += count
             if self.on_step is not None:
-                self.on_step()
-        return argmax
+                for _ in range(count):
+                    self.on_step()
+            if all_done:
+                break
+        return True
 
     def _finish_running(self, reason: str) -> Iterator[BlockUpdate]:
         from dlmrt.runtime.generator import BlockUpdate
@@ -182,8 +202,8 @@ class UniformNoiseRun:
     def result(self) -> GenerationResult:
         from dlmrt.runtime.generator import GenerationResult, RowOutput
 
-        latency = time.perf_counter() - self.started
-        forwards = self.row_forwards.tolist()
+        latency = time.perf_counter() - self.started - self.compile_s
+        forwards = self.row_forwards
         rows = []
         for row in range(self.batch):
             ids = completion(self.tokens[row].tolist(), self.spec.eos_ids)
@@ -196,5 +216,5 @@ class UniformNoiseRun:
             generated_tokens=sum(r.metrics.generated_tokens for r in rows), prompt_tokens=sum(self.prompt_lengths),
             batch_size=self.batch, latency_s=latency, backend_s=self.backend_s,
             peak_memory_bytes=peak_memory_bytes(self.spec.device),
-            forwards_executed=self.executed + self.encoder_forwards)
+            forwards_executed=self.executed + self.encoder_forwards, compile_s=self.compile_s)
         return GenerationResult(self.tokens, rows, metrics)

@@ -61,6 +61,21 @@ def backend(exported) -> OrtCanvasBackend:
     return OrtCanvasBackend(exported, threads=1)
 
 
+def ort_decode(backend, canvas, positions, key_mask, cache, soft_tokens):
+    """One run of the decode graph: logits of `canvas` after `cache` (None: no context), conditioned on
+    `soft_tokens` (None: the first step, z = 0)."""
+    if cache is None:
+        cache = backend.empty_cache(canvas.shape[0])
+    z = torch.zeros(*canvas.shape, backend.spec.hidden_size) if soft_tokens is None else soft_tokens.z
+    (logits,) = backend._run("decode", {"canvas": canvas, "positions": positions, "z": z,
+                                        **backend._cache_feeds(canvas, key_mask, cache)})
+    return logits
+
+
+def ort_soft_tokens(backend, scaled_logits):
+    return Residual(*backend._run("soft_tokens", {"scaled_logits": scaled_logits.float()}))
+
+
 def largest_difference(got, expected) -> float:
     return (got.float() - expected.float()).abs().max().item()
 
@@ -203,10 +218,10 @@ def test_the_decoder_logits_match_torch_on_the_recorded_steps(backend, model):
         committed = model.encode(canvas, positions=canvas_positions, key_mask=canvas_mask, past=cache)
         after = model.denoise(following[0], positions=following[1], key_mask=following[2], past=committed).logits
     ort_cache = backend.encode(prompt, positions, key_mask, None)
-    ort_first = backend.decode(canvas, canvas_positions, canvas_mask, ort_cache, None)
-    ort_signal = backend.soft_tokens(EXPECTED["first_logits"] / SELF_CONDITIONING_TEMPERATURE)
-    ort_second = backend.decode(canvas, canvas_positions, canvas_mask, ort_cache, ort_signal)
-    ort_after = backend.decode(*following, backend.encode(canvas, canvas_positions, canvas_mask, ort_cache), None)
+    ort_first = ort_decode(backend, canvas, canvas_positions, canvas_mask, ort_cache, None)
+    ort_signal = ort_soft_tokens(backend, EXPECTED["first_logits"] / SELF_CONDITIONING_TEMPERATURE)
+    ort_second = ort_decode(backend, canvas, canvas_positions, canvas_mask, ort_cache, ort_signal)
+    ort_after = ort_decode(backend, *following, backend.encode(canvas, canvas_positions, canvas_mask, ort_cache), None)
     for got, expected, recorded in ((ort_first, first, "first_logits"), (ort_second, second, "second_logits"),
                                     (ort_after, after, "next_logits")):
         assert_close(got, expected)
@@ -218,14 +233,14 @@ def test_the_decoder_logits_match_torch_on_the_recorded_steps(backend, model):
 def test_soft_tokens_and_a_canvas_without_context_match_torch(backend, model):
     scaled = EXPECTED["second_logits"] / 0.3
     expected = model.soft_tokens(scaled)
-    got = backend.soft_tokens(scaled)
+    got = ort_soft_tokens(backend, scaled)
     assert_close(got.z, expected.z, 1e-6)
     assert_close(got.certainty, expected.certainty, 1e-6)
     canvas = EXPECTED["canvas"]
     positions = torch.arange(canvas.shape[1])[None].expand(canvas.shape[0], -1)
     with torch.no_grad():
         alone = model.denoise(canvas, residual=expected).logits
-    assert_close(backend.decode(canvas, positions, torch.ones(canvas.shape, dtype=torch.bool), None, got), alone)
+    assert_close(ort_decode(backend, canvas, positions, torch.ones(canvas.shape, dtype=torch.bool), None, got), alone)
 
 
 # On this random model ORT's tokens can only be compared where float noise cannot decide them: the
@@ -276,7 +291,7 @@ def test_requests_beyond_the_export_fail_before_any_compute(backend, monkeypatch
     with pytest.raises(ArgumentError, match=r"needs \d+ positions, more than the model's context of 48: "
                                             r"re-export with `dlmrt export .* --max-length N`"):
         generator.generate(PROMPTS, too_long)
-    with pytest.raises(ArgumentError, match=r"5 prompts exceed the batch limit of 4 this export was made for"):
+    with pytest.raises(ArgumentError, match=r"5 prompts exceed the batch limit of 4: re-export"):
         generator.generate(PROMPTS + PROMPTS[:2], GenerationSettings(16, 8, EntropyBound(steps=2)))
     with pytest.raises(ArgumentError, match="policy 'threshold' is mask-based"):
         generator.generate(PROMPTS, GenerationSettings(16, 8, Threshold(0.9)))

@@ -1,0 +1,164 @@
+"""A uniform-noise request's decoding state, in static buffers owned per shape bucket.
+
+The uniform-noise loop (`dlmrt.runtime.uniform_noise`) runs a DiffusionGemma-style model: each block
+is a canvas of W positions that the decoder denoises over [cache; canvas], and the encoder commits
+each finished canvas to the cache. A `CanvasBucket` fixes every shape a step sees:
+
+- B rows (the backend's batch ladder, as for mask models); rows beyond the request's are inert:
+  they are done from the start and see one pad token of their own;
+- a prompt region of P positions (the prompt width rounded up so that prompt and generated tokens
+  fill whole blocks); shorter prompts are left-padded, and padding counts no position;
+- the cache storage: the prompt region, then one slot of W per block that can be committed
+  (every block but the last), so S = P + (blocks - 1) * W. A step attends to all of it, masked to
+  what has been written (`past_key_mask`), so its shapes never change from block to block;
+- the steps a block may take (the temperature schedule's length).
+
+Every buffer is allocated once and keeps its address, so a step compiled or captured on a bucket
+stays valid for every request and every block that runs in it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from dlmrt import limits
+from dlmrt.export.models.diffusion_gemma import LayerGroupKV
+from dlmrt.runtime.backend import ModelSpec
+from dlmrt.runtime.static_buffers import StaticBuffers
+
+
+@dataclass(frozen=True)
+class CacheGroup:
+    """One kind of layer's share of the cache: [layers, 2, B, heads, S, head_dim]."""
+
+    layers: int
+    heads: int
+    head_dim: int
+
+
+@dataclass(frozen=True)
+class CanvasBucket:
+    batch: int  # rows, padding rows included
+    prompt: int  # P: the prompt region, left padding included
+    width: int  # W: the canvas (block) length
+    blocks: int  # blocks per request (gen_length / W)
+    steps: int  # the most steps a block takes
+
+    @property
+    def storage(self) -> int:
+        """S: cache positions; the last block is never committed."""
+        return self.prompt + (self.blocks - 1) * self.width
+
+    def slot(self, block: int) -> int:
+        """The storage index where block `block`'s committed canvas starts."""
+        return self.prompt + block * self.width
+
+
+@dataclass
+class CanvasState(StaticBuffers):
+    """The static buffers of one canvas bucket (B rows, W canvas positions, S cache positions)."""
+
+    bucket: CanvasBucket
+    canvas: Tensor  # [B, W] int64: what the next step's decoder reads
+    argmax: Tensor  # [B, W] int64: the block's draft (-1 before the first step)
+    positions: Tensor  # [B, W] int64: the canvas's positions
+    key_mask: Tensor  # [B, W] bool: the canvas keys (all visible)
+    z: Tensor  # [B, W, H] model dtype: the last step's soft tokens (zero before the first step)
+    cache_sliding: Tensor  # [Ls, 2, B, Hs, S, Ds]
+    cache_full: Tensor  # [Lf, 2, B, Hf, S, Df]
+    cache_positions: Tensor  # [B, S] int64
+    past_key_mask: Tensor  # [B, S] bool: the cache positions that hold K/V of a real token
+    prompt_lengths: Tensor  # [B] int64
+    # per-row policy parameters
+    temperatures: Tensor  # [B, steps] float32: the schedule
+    entropy_bound: Tensor  # [B] float32
+    seed: Tensor  # [B] int64
+    stability_threshold: Tensor  # [B] int64
+    confidence_threshold: Tensor  # [B] float32
+    # per-row loop state
+    block_step: Tensor  # [B] int64: steps taken in the current block (the random streams' counter)
+    stable_run: Tensor  # [B] int64: consecutive steps with an unchanged argmax
+    finished: Tensor  # [B] bool: rows that ended in an earlier block, and padding rows
+    done: Tensor  # [B] bool: rows whose current block is done (or that are finished)
+    forwards: Tensor  # [B] int64: decoder forwards that did work for the row
+
+    @staticmethod
+    def estimated_bytes(spec: ModelSpec, bucket: CanvasBucket, groups: Sequence[CacheGroup]) -> int:
+        """The cache storage, and a step's largest transients: the block's logits in float32 (scaled,
+        log-probabilities, probabilities) and float64 (the Gumbel-max sample)."""
+        item = torch.tensor([], dtype=spec.dtype).element_size()
+        cache = sum(g.layers * 2 * bucket.batch * g.heads * bucket.storage * g.head_dim * item for g in groups)
+        return cache + bucket.batch * bucket.width * spec.vocab_size * (3 * 4 + 2 * 8)
+
+    @classmethod
+    def allocate(cls, spec: ModelSpec, bucket: CanvasBucket, groups: Sequence[CacheGroup]) -> CanvasState:
+        limits.check_fits(cls.estimated_bytes(spec, bucket, groups),
+                          f"a batch of {bucket.batch} over {bucket.storage} cached and {bucket.width} canvas "
+                          f"positions ({spec.name})", spec.device,
+                          "decode fewer prompts at once (--batch-size, --max-batch), or shorter ones")
+        rows, width, storage, device = bucket.batch, bucket.width, bucket.storage, spec.device
+        long = dict(dtype=torch.long, device=device)
+        flag = dict(dtype=torch.bool, device=device)
+        real = dict(dtype=torch.float32, device=device)
+        sliding, full = (torch.zeros(g.layers, 2, rows, g.heads, storage, g.head_dim, dtype=spec.dtype, device=device)
+                         for g in groups)
+        return cls(
+            bucket=bucket, canvas=torch.zeros(rows, width, **long), argmax=torch.zeros(rows, width, **long),
+            positions=torch.zeros(rows, width, **long), key_mask=torch.ones(rows, width, **flag),
+            z=torch.zeros(rows, width, spec.hidden_size, dtype=spec.dtype, device=device),
+            cache_sliding=sliding, cache_full=full, cache_positions=torch.zeros(rows, storage, **long),
+            past_key_mask=torch.zeros(rows, storage, **flag), prompt_lengths=torch.zeros(rows, **long),
+            temperatures=torch.ones(rows, bucket.steps, **real), entropy_bound=torch.zeros(rows, **real),
+            seed=torch.zeros(rows, **long), stability_threshold=torch.zeros(rows, **long),
+            confidence_threshold=torch.zeros(rows, **real), block_step=torch.zeros(rows, **long),
+            stable_run=torch.zeros(rows, **long), finished=torch.ones(rows, **flag), done=torch.ones(rows, **flag),
+            forwards=torch.zeros(rows, **long))
+
+    @property
+    def cache(self) -> LayerGroupKV:
+        """The whole storage, as the decoder reads it (masked by `past_key_mask`)."""
+        return LayerGroupKV(self.cache_sliding, self.cache_full, self.cache_positions)
+
+    def cache_before(self, block: int) -> LayerGroupKV:
+        """The storage up to block `block`'s slot: what the encoder extends when it commits that block."""
+        end = self.bucket.slot(block)
+        return LayerGroupKV(self.cache_sliding[..., :end, :], self.cache_full[..., :end, :],
+                            self.cache_positions[:, :end])
+
+    def write_cache(self, cache: LayerGroupKV, start: int) -> None:
+        """Store the encoder's K/V of cache positions [start, its length) and mark them visible."""
+        end = cache.positions.shape[1]
+        self.cache_sliding[..., start:end, :].copy_(cache.sliding[..., start:, :])
+        self.cache_full[..., start:end, :].copy_(cache.full[..., start:, :])
+        self.cache_positions[:, start:end].copy_(cache.positions[:, start:])
+
+    # -- requests in ------------------------------------------------------------------------------------
+    def load(self, prompt_mask: Tensor, rows: int, params: dict[str, Tensor]) -> None:
+        """Take a request of `rows` rows: the key mask `[B, P]` of its left-padded prompts (padding rows:
+        one visible pad token) and its per-row parameters by buffer name. Rows from `rows` on are
+        padding: finished from the start."""
+        self.past_key_mask.zero_()
+        self.past_key_mask[:, :self.bucket.prompt].copy_(prompt_mask)
+        self.prompt_lengths.copy_(prompt_mask.sum(-1))
+        for name, value in params.items():
+            getattr(self, name)[:rows].copy_(value)
+        self.finished.fill_(True)
+        self.finished[:rows] = False
+        self.forwards.zero_()
+
+    def start_block(self, block: int, vocab_size: int) -> None:
+        """Point the state at block `block`: fresh random canvas, no draft, no soft tokens."""
+        from dlmrt.plugins.entropy_bound import initial_canvas
+
+        offsets = torch.arange(self.bucket.width, device=self.canvas.device) + block * self.bucket.width
+        torch.add(self.prompt_lengths[:, None], offsets, out=self.positions)
+        self.canvas.copy_(initial_canvas(self.seed, self.positions, vocab_size))
+        self.argmax.fill_(-1)
+        self.z.zero_()
+        self.block_step.zero_()
+        self.stable_run.zero_()
+        self.done.copy_(self.finished)

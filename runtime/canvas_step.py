@@ -1,0 +1,50 @@
+"""The uniform-noise step on the device: a pure, in-place function of a canvas bucket's buffers.
+
+    step(state, graphs)   decode [cache; canvas], then dlmrt::EntropyBoundStep, written back in place
+
+`graphs` runs the model's two graphs on the state: `decode(state)`, the decoder's float32 logits
+`[B, W, V]` over the cached storage and the canvas, and `soft_tokens(scaled_logits)`, the next step's
+self-conditioning `[B, W, H]` (the same module in torch, or an exported graph). Nothing here reads a
+device value on the host or branches on one, so K steps run back to back, compile into one graph with
+`torch.compile(fullgraph=True)` and capture into one CUDA graph; the host reads `state.done` once per
+K steps.
+
+A step for a row that is done (its block stopped, or it finished in an earlier block, or it is
+padding) leaves its canvas, draft and counters as they were: `entropy_bound_step` keeps the canvas of
+a finished row, and its argmax is kept here. So steps run after a row stopped change none of its
+tokens, and K changes how many forwards run, never a token.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from dlmrt.plugins.entropy_bound import RenoiseParams, entropy_bound_step, should_stop, stability
+from dlmrt.runtime.canvas_state import CanvasState
+
+
+class CanvasGraphs(Protocol):
+    def decode(self, state: CanvasState) -> Tensor: ...
+
+    def soft_tokens(self, scaled_logits: Tensor) -> Tensor: ...
+
+
+def step(state: CanvasState, graphs: CanvasGraphs) -> None:
+    """One denoising step of every row of `state`, in place."""
+    logits = graphs.decode(state)
+    last = state.bucket.steps - 1
+    temperature = state.temperatures.gather(1, state.block_step.clamp(max=last)[:, None])[:, 0]
+    params = RenoiseParams(temperature, state.entropy_bound, state.seed, state.block_step)
+    result = entropy_bound_step(logits, state.canvas, state.positions, params, finished=state.done)
+    argmax = torch.where(state.done[:, None], state.argmax, result.argmax)
+    state.stable_run.copy_(stability(argmax, state.argmax, state.stable_run))
+    state.forwards.add_((~state.done).long())
+    state.done.logical_or_(should_stop(state.stable_run, result.mean_entropy, state.stability_threshold,
+                                       state.confidence_threshold))
+    state.canvas.copy_(result.canvas)
+    state.argmax.copy_(argmax)
+    state.z.copy_(graphs.soft_tokens(result.scaled_logits))
+    state.block_step.add_(1)
