@@ -30,7 +30,7 @@ from dlmrt.errors import ArgumentError
 
 BENCH_FORMAT_VERSION = 1
 TORCH_MODES = ("eager", "compile", "cudagraph", "auto")
-POLICIES = ("fixed", "threshold", "factor", "llada2")
+POLICIES = ("fixed", "threshold", "factor", "llada2", "entropy_bound")
 
 
 def parse_backends(spec: str) -> list[tuple[str, str | None]]:
@@ -94,9 +94,11 @@ SCENARIO_OPTIONS = ("model_name", "backend_spec", "batch_size", "input_len", "ou
 @click.option("--threshold", type=FLOAT32, default=None,
               help="threshold and llada2 policies [default: 0.9; llada2: 0.95].")
 @click.option("--factor", type=FLOAT32, default=None, help="factor policy [default: 1.0].")
-@click.option("--steps", type=LENGTH, default=None, help="fixed: steps in all; llada2: per block.")
+@click.option("--steps", type=LENGTH, default=None,
+              help="fixed: steps in all; llada2 and entropy_bound: at most per block.")
 @click.option("--cache", type=click.Choice(("none", "prefix", "dual")), default=None,
-              help="[default: dual; prefix for block-causal models, whose exact block cache it is]")
+              help="[default: dual; prefix for block-causal models, whose exact block cache it is; none for "
+                   "uniform-noise models]")
 @click.option("--block-length", type=LENGTH, default=None, help="[default: 32, or --output-len if smaller]")
 @click.option("--dtype", type=click.Choice(("auto", "float32", "bfloat16", "float16")), default="auto",
               show_default=True, help="auto: float32 (a model directory: its config's dtype).")
@@ -229,8 +231,9 @@ def run_scenario(scenario: Scenario, console) -> dict:
     backends = parse_backends(",".join(scenario.backends))
     model = open_model(scenario.model, scenario.dtype, scenario.device)
     block_length = scenario.block_length or min(32, scenario.output_len)
-    cache = scenario.cache or ("prefix" if model.block_causal else "dual")
-    policy = make_policy(scenario.policy, threshold=scenario.threshold, factor=scenario.factor, steps=scenario.steps)
+    cache = scenario.cache or default_cache(model)
+    policy = make_policy(scenario.policy, threshold=scenario.threshold, factor=scenario.factor, steps=scenario.steps,
+                         generation_config=model.generation_config)
     settings = GenerationSettings(scenario.output_len, block_length, policy, cache=cache, ignore_eos=True)
     settings.validate(model.block_causal)
     special = {model.tokens.mask_id, model.tokens.pad_id, *model.tokens.eos_ids}
@@ -262,6 +265,14 @@ def run_scenario(scenario: Scenario, console) -> dict:
             "cases": rows, "exact_match": exact}
 
 
+def default_cache(model) -> str:
+    """prefix for block-causal models (their exact block cache), none for uniform-noise ones (whose
+    encoder cache is not a choice), else dual."""
+    if model.block_causal:
+        return "prefix"
+    return "none" if model.noise == "uniform" else "dual"
+
+
 def make_cases(model, backends, prompts, settings, scratch: Path, console):
     """One benchmark Case per backend; `tokens` fills with each case's token digest as it runs. The
     reference case is LLaDA's plain loop (fixed policy, one token a step, no cache) on the same prompts."""
@@ -290,11 +301,12 @@ def make_cases(model, backends, prompts, settings, scratch: Path, console):
             require_onnx_extra()  # before the imports that need it
             from dlmrt.export.onnx_export import export
             from dlmrt.runtime.ort_backend import OrtBackend
+            from dlmrt.runtime.ort_canvas import OrtCanvasBackend
 
             with console.status(f"exporting {model.name} for ONNX Runtime"):
                 export_dir = export(model, scratch / "export", max_batch=len(prompts),
                                     max_length=len(prompts[0]) + settings.gen_length + settings.block_length)
-            generator = Generator(OrtBackend(export_dir))
+            generator = Generator((OrtCanvasBackend if model.noise == "uniform" else OrtBackend)(export_dir))
 
         def run(label=label, generator=generator):
             result = generator.generate(prompts, settings)

@@ -148,9 +148,6 @@ def make_plan(export_dir: str | Path, target: Target, precision: str, *, tensorr
         raise PlanError(f"--workspace must be positive, got {options.workspace_bytes} bytes")
     quantization = ({"method": QUANTIZERS[precision], "calibration": calibration, "samples": calibration_samples}
                     if precision in QUANTIZERS else None)
-    if uniform and precision == "nvfp4":
-        notes.append("nvfp4: the MoE experts' stacked weights stay in high precision: dlmrt's NVFP4 pass "
-                     "quantizes 2-D nn.Linear weights only, so only the attention and dense MLPs are FP4")
     model = export.model.name
     return BuildPlan(
         model=model, export_dir=str(export_dir.resolve()), target=target.name,

@@ -17,6 +17,7 @@ embedding matrix exported beside it (hashed in the manifest), not one read out o
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -40,8 +41,10 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16}
 
 class OrtCanvasBackend(Backend, CanvasBackend):
     def __init__(self, export_dir: str | Path, *, device: str | torch.device = "cpu", threads: int | None = None,
-                 optimization: str = "all"):
-        """`threads`: ONNX Runtime's intra-op threads (default: its own choice)."""
+                 optimization: str = "all", observe: Callable[[str, dict[str, Tensor]], None] | None = None):
+        """`threads`: ONNX Runtime's intra-op threads (default: its own choice). `observe(graph, inputs)`
+        sees each graph run's inputs by name, before the run, as the run reads them (what calibration
+        records)."""
         import onnxruntime as ort
 
         self.export_dir = Path(export_dir)
@@ -75,6 +78,7 @@ class OrtCanvasBackend(Backend, CanvasBackend):
         inputs = {c.name: c.shape for c in self.manifest.graphs["decode"].inputs}
         self._cache_shapes = {name: inputs[name] for name in ("past_sliding", "past_full")}
         self._graphs: dict[int, _OrtCanvasGraphs] = {}  # per state
+        self.observe = observe
 
     # -- CanvasBackend --------------------------------------------------------------------------------
     def cache_groups(self) -> tuple[CacheGroup, CacheGroup]:
@@ -117,6 +121,8 @@ class OrtCanvasBackend(Backend, CanvasBackend):
                 "past_sliding": cache.sliding, "past_full": cache.full, "past_positions": cache.positions}
 
     def _run(self, graph: str, feeds: dict[str, Tensor]) -> list[Tensor]:
+        if self.observe is not None:
+            self.observe(graph, feeds)
         arrays = {name: np.ascontiguousarray(tensor.detach().cpu().numpy()) for name, tensor in feeds.items()}
         return [torch.from_numpy(array) for array in self.sessions[graph].run(None, arrays)]
 
@@ -127,25 +133,30 @@ class _OrtCanvasGraphs:
 
     def __init__(self, backend: OrtCanvasBackend, state: CanvasState):
         self.state = state  # the state stays alive with its binding
+        self.observe = backend.observe
         rows, width = state.canvas.shape
         self.logits = torch.empty(rows, width, backend.spec.vocab_size, dtype=torch.float32)
         self.scaled = torch.empty_like(self.logits)
         self.z, self.certainty = torch.empty_like(state.z), torch.empty(rows, width, dtype=torch.float32)
         self.decode_session, self.soft_session = backend.sessions["decode"], backend.sessions["soft_tokens"]
-        self.decode_binding = io_binding(self.decode_session, {
+        self.decode_inputs = {
             "canvas": state.canvas, "positions": state.positions, "key_mask": state.key_mask,
             "past_key_mask": state.past_key_mask, "past_sliding": state.cache_sliding,
-            "past_full": state.cache_full, "past_positions": state.cache_positions, "z": state.z},
-            {"logits": self.logits})
-        self.soft_binding = io_binding(self.soft_session, {"scaled_logits": self.scaled},
-                                     {"z": self.z, "certainty": self.certainty})
+            "past_full": state.cache_full, "past_positions": state.cache_positions, "z": state.z}
+        self.decode_binding = io_binding(self.decode_session, self.decode_inputs, {"logits": self.logits})
+        self.soft_inputs = {"scaled_logits": self.scaled}
+        self.soft_binding = io_binding(self.soft_session, self.soft_inputs, {"z": self.z, "certainty": self.certainty})
 
     def decode(self, state: CanvasState) -> Tensor:
+        if self.observe is not None:
+            self.observe("decode", self.decode_inputs)
         self.decode_session.run_with_iobinding(self.decode_binding)
         return self.logits
 
     def soft_tokens(self, scaled_logits: Tensor) -> Tensor:
         self.scaled.copy_(scaled_logits)
+        if self.observe is not None:
+            self.observe("soft_tokens", self.soft_inputs)
         self.soft_session.run_with_iobinding(self.soft_binding)
         return self.z
 

@@ -19,7 +19,9 @@ from safetensors.torch import load_file
 
 pytest.importorskip("onnxruntime", reason="the ONNX path needs the 'onnx' extra")
 
+import numpy as np  # noqa: E402
 import onnx  # noqa: E402
+from onnx import numpy_helper  # noqa: E402
 
 from dlmrt.errors import ArgumentError  # noqa: E402
 from dlmrt.export import checkpoint, onnx_export  # noqa: E402
@@ -261,17 +263,22 @@ def test_ort_runs_the_loop_as_torch_on_the_random_model(backend, model):
 TINY = Path(__file__).parents[1] / "dlmrt" / "assets" / "tiny-diffusion-gemma"
 
 
+@pytest.fixture(scope="module")
+def trained_export(tmp_path_factory):
+    """(model, export directory) of the DiffusionGemma-shaped model trained on the task suite."""
+    model = checkpoint.load(TINY)
+    return model, onnx_export.export(model, tmp_path_factory.mktemp("trained") / "tiny-diffusion-gemma",
+                                     max_batch=16, max_length=48)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("settings", [GenerationSettings(16, 16, EntropyBound(), seed=0),
                                       GenerationSettings(32, 16, EntropyBound(steps=8), seed=5)],
                          ids=["defaults", "two-blocks"])
-def test_ort_gives_the_torch_tokens_of_the_trained_model(tmp_path_factory, settings):
+def test_ort_gives_the_torch_tokens_of_the_trained_model(trained_export, settings):
     from dlmrt import tasks
 
-    model = checkpoint.load(TINY)
-    exported = tmp_path_factory.getbasetemp() / "tiny-diffusion-gemma"
-    if not exported.exists():
-        onnx_export.export(model, exported, max_batch=16, max_length=48)
+    model, exported = trained_export
     prompts = [model.tokenizer.encode(e.prompt).ids for e in tasks.examples("test", 4, 0)]
     expected = Generator(model, mode="eager").generate(prompts, settings)
     got = Generator(OrtCanvasBackend(exported, threads=1)).generate(prompts, settings)
@@ -318,6 +325,55 @@ def test_dry_run_plans_the_three_graphs_in_nvfp4_and_the_preflight_passes(export
     assert plan.ranges["prefix"].startswith("0:")  # the prompt runs the encoder over no prefix
     encode = next(graph for graph in plan.graphs if graph.name == "encode")
     assert encode.shapes["past_sliding"][0][4] == 0 and encode.shapes["ids"][1] == [1, 8]  # opt: the canvas
-    assert any("experts' stacked weights stay in high precision" in note for note in plan.notes)
+    assert not any("experts" in note for note in plan.notes)  # the experts are FP4 too
     assert plan.plugins == []  # the step runs between the graphs, not inside them
     assert list(build.dry_run_problems(plan)) == []
+
+
+@pytest.mark.slow
+def test_calibration_records_each_graph_from_the_uniform_noise_loop(trained_export):
+    from dlmrt.engines.quant.calibration import calibration_feeds
+
+    _, exported = trained_export
+
+    for graph in CANVAS_GRAPHS:
+        feeds = calibration_feeds(exported, graph, count=3, batch_size=2)  # the task suite's prompts
+        names = [c.name for c in ExportManifest.load(exported).graphs[graph].inputs]
+        assert len(feeds) == 3 and all(sorted(feed) == sorted(names) for feed in feeds)
+    decode = calibration_feeds(exported, "decode", prompts=["sort:31="], count=2)
+    assert not np.array_equal(decode[0]["canvas"], decode[1]["canvas"])  # copies, step by step
+    assert not decode[0]["z"].any() and decode[1]["z"].any()  # a block's first step has no soft tokens
+
+
+@pytest.mark.slow
+def test_nvfp4_quantizes_every_expert_of_the_decoder(trained_export, tmp_path):
+    """Each expert's two projections (Gemms on slices of the stacked weights) become NVFP4 MatMuls whose FP4
+    weights decode to the NVFP4 fake quantization of that expert's own slice; the stacked initializers go."""
+    from dlmrt.engines.quant import nvfp4, nvfp4_onnx
+    from dlmrt.engines.quant.calibration import calibration_feeds
+
+    model, exported = trained_export
+    feeds = calibration_feeds(exported, "decode", prompts=["sort:31=", "rev:abc="], count=2)
+    report = nvfp4_onnx.quantize_onnx(exported / "decode.onnx", tmp_path / "decode.onnx", feeds)
+    quantized = onnx.load(tmp_path / "decode.onnx")
+    assert nvfp4_onnx.check_nvfp4_graph(quantized) == []
+    onnx.checker.check_model(quantized)
+    config = model.config.text
+    experts = {node: module for node, module in report.quantized.items() if module.endswith(".experts")}
+    assert len(experts) == config.num_hidden_layers * config.num_experts * 2
+    assert not any(i.name.endswith(("gate_up_proj", "down_proj")) for i in quantized.graph.initializer)
+    initializers = {i.name: numpy_helper.to_array(i) for i in quantized.graph.initializer}
+
+    def decoded(node: str) -> np.ndarray:
+        codes, scales = initializers[f"{node}.weight.fp4"], initializers[f"{node}.weight.block_scales"]
+        rows, k = codes.shape
+        return (codes.astype(np.float32).reshape(rows, k // 16, 16) * (scales.astype(np.float32)
+                * initializers[f"{node}.weight.global_scale"])[..., None]).reshape(rows, k)
+
+    for index, layer in enumerate(model.blocks()):
+        mine = sorted(decoded(node).tobytes() for node, module in experts.items()
+                      if module.endswith(f".layers.{index}.experts"))
+        stacked = (layer.experts.gate_up_proj.detach(), layer.experts.down_proj.detach())
+        expected = sorted(nvfp4.fake_quantize(weight[e]).numpy().tobytes() for weight in stacked
+                          for e in range(config.num_experts))
+        assert mine == expected

@@ -91,8 +91,8 @@ def run(point=None):
 
 duration = run()
 chance = random.Random(0)
-points = [chance.uniform(0, duration) for _ in range(10)] + \\
-         [chance.uniform(0.85 * duration, 1.05 * duration) for _ in range(10)]
+points = [chance.uniform(0, duration) for _ in range(3)] + \\
+         [chance.uniform(0.85 * duration, 1.05 * duration) for _ in range(5)]
 for point in points:
     run(point)
     ExportManifest.load(out)  # the previous export or the new one, every file matching its sha256
@@ -100,9 +100,10 @@ print(json.dumps({"duration": duration, "points": points}))
 """
 
 
-def test_an_export_killed_at_20_random_points_leaves_the_previous_export_loadable(model, tmp_path):
-    """Ten kill points spread over a re-export's whole run, ten over its last 15% and just past it,
-    where the files are fsynced and swapped in. Each kill is followed by a full load of the export."""
+def test_an_export_killed_at_8_random_points_leaves_the_previous_export_loadable(model, tmp_path):
+    """Three kill points spread over a re-export's whole run, five over its last 15% and just past it,
+    where the files are fsynced and swapped in. Each kill is followed by a full load of the export.
+    (Each point costs a whole export, about 10 s here: eight keep the test under two minutes.)"""
     import json
 
     model_dir = checkpoint.save(model, tmp_path / "model")
@@ -112,7 +113,7 @@ def test_an_export_killed_at_20_random_points_leaves_the_previous_export_loadabl
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.splitlines()[-1])
-    assert len(report["points"]) == 20 and any(p > report["duration"] * 0.9 for p in report["points"])
+    assert len(report["points"]) == 8 and any(p > report["duration"] * 0.9 for p in report["points"])
     assert not list(tmp_path.glob(".out.*.retired"))
     onnx_export.export(model, out, **LIMITS)  # the next write removes what the killed writers left
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "out"]

@@ -13,6 +13,10 @@ sees the whole canvas), `cached` with the prefix and dual caches in turn (the bl
 follows it over a cached prefix, and the block alone over both sides), the guided graphs with
 classifier-free guidance on. The policy unmasks one token a step (LLaDA's schedule with as many
 steps as tokens), so the recorded steps span every fraction of the block still masked.
+
+A uniform-noise export (DiffusionGemma) is decoded by its own loop in ONNX Runtime
+(OrtCanvasBackend) with the model's policy, and each run of the requested graph (`encode`, `decode`
+or `soft_tokens`) is recorded.
 """
 
 from __future__ import annotations
@@ -77,6 +81,61 @@ def suite_prompts(count: int, seed: int = 0) -> list[str]:
     return interleaved[:count]
 
 
+def _encoded(model, prompts: str | Path | Sequence[str] | None, suite_count: int, seed: int) -> list[list[int]]:
+    """The calibration prompts' ids: the task suite's (`suite_count` of them) when `prompts` is None."""
+    from dlmrt.runtime import text
+
+    if prompts is None:
+        prompts = suite_prompts(suite_count, seed)
+    elif isinstance(prompts, (str, Path)):
+        prompts = load_prompts(prompts)
+    elif not prompts:
+        raise CalibrationError("no calibration prompts were given: pass at least one, or None for the task suite")
+    return [text.encode(model, prompt) for prompt in prompts]
+
+
+def _canvas_feeds(export_dir: str | Path, graph: str, prompts, count: int, seed: int, batch_size: int,
+                  settings: GenerationSettings | None) -> list[dict[str, np.ndarray]]:
+    """Calibration inputs of a uniform-noise export's graph (`encode`, `decode` or `soft_tokens`),
+    recorded from its uniform-noise loop in ONNX Runtime; the policy is the model's own (its
+    generation_config.json, else the public defaults), over as many whole canvases as fit."""
+    from dlmrt.runtime import GenerationSettings, Generator, make_policy
+    from dlmrt.runtime.exported_model import ExportedModel
+    from dlmrt.runtime.ort_canvas import OrtCanvasBackend
+
+    feeds: list[dict[str, np.ndarray]] = []
+
+    def record(name: str, inputs) -> None:
+        if name == graph and len(feeds) < count:  # copies: the loop updates its buffers in place
+            feeds.append({key: tensor.numpy().copy() for key, tensor in inputs.items()})
+
+    backend = OrtCanvasBackend(export_dir, observe=record)
+    if graph not in backend.sessions:
+        raise CalibrationError(f"{export_dir} has no {graph!r} graph (it has {', '.join(backend.sessions)})")
+    model = ExportedModel.load(export_dir)
+    ids = _encoded(model, prompts, count * batch_size, seed)
+    if settings is None:
+        room = backend.spec.max_positions - max(map(len, ids))
+        canvas = model.default_block_length
+        if room < canvas:
+            raise CalibrationError(f"a prompt of {max(map(len, ids))} tokens leaves no room for a canvas of {canvas} "
+                                   f"in the export's context of {backend.spec.max_positions}: use shorter "
+                                   f"calibration prompts")
+        policy = make_policy("entropy_bound", generation_config=model.generation_config)
+        settings = GenerationSettings(gen_length=canvas * min(room // canvas, 2), block_length=canvas, policy=policy)
+    generator = Generator(backend)
+    batch_size = min(batch_size, backend.ladder.max_batch)
+    for start in range(0, len(ids), batch_size):
+        stream = generator.stream(ids[start:start + batch_size], replace(settings, seed=seed))
+        for _ in stream:
+            if len(feeds) >= count:
+                stream.close()
+                break
+        if len(feeds) >= count:
+            break
+    return feeds
+
+
 class _Recorder(Backend):
     """An OrtBackend that keeps a copy of the inputs of each step that runs `graph`."""
 
@@ -132,7 +191,7 @@ def calibration_feeds(export_dir: str | Path, graph: str = "full", prompts: str 
     settings: the lengths and policy to decode with (default: `default_settings`); the cache mode
     and guidance scale always follow from `graph`.
     """
-    from dlmrt.runtime import Generator, text
+    from dlmrt.runtime import Generator
     from dlmrt.runtime.exported_model import ExportedModel
     from dlmrt.runtime.ort_backend import OrtBackend
 
@@ -140,6 +199,8 @@ def calibration_feeds(export_dir: str | Path, graph: str = "full", prompts: str 
         raise CalibrationError(f"the calibration count must be positive, got {count}")
     if batch_size <= 0:
         raise CalibrationError(f"the calibration batch size must be positive, got {batch_size}")
+    if ExportedModel.load(export_dir).noise == "uniform":
+        return _canvas_feeds(export_dir, graph, prompts, count, seed, batch_size, settings)
     backend = OrtBackend(export_dir)
     if graph not in backend.sessions:
         raise CalibrationError(f"{export_dir} has no {graph!r} graph (it has {', '.join(backend.sessions)}): "
@@ -147,13 +208,7 @@ def calibration_feeds(export_dir: str | Path, graph: str = "full", prompts: str 
                                f"graphs")
     model = ExportedModel.load(export_dir)
     batch_size = min(batch_size, backend.ladder.max_batch)
-    if prompts is None:
-        prompts = suite_prompts(count * batch_size, seed)
-    elif isinstance(prompts, (str, Path)):
-        prompts = load_prompts(prompts)
-    elif not prompts:
-        raise CalibrationError("no calibration prompts were given: pass at least one, or None for the task suite")
-    ids = [text.encode(model, prompt) for prompt in prompts]
+    ids = _encoded(model, prompts, count * batch_size, seed)
     if settings is None:
         settings = default_settings(model.generation_config, model.default_block_length, backend.spec.max_positions,
                                     max(map(len, ids)))

@@ -16,7 +16,12 @@ MatMul that reads the same input (q, k and v projections).
 A MatMul is quantized when its weight is a 2-D float initializer and the exporter's node metadata
 (`pkg.torch.onnx.name_scopes`, `class_hierarchy`) places it in an nn.Linear inside a transformer
 block (`.blocks.N.` or `.layers.N.`), with K a multiple of 16; the report names every other
-MatMul and why it was left alone. The model moves to opset 23 (the first whose DequantizeLinear
+MatMul and why it was left alone. Stacked MoE experts (DiffusionGemma's `Experts`: `gate_up_proj
+[E, 2I, H]`, `down_proj [E, H, I]`, every expert run in the fixed-shape graph) export as one
+`Gemm(transB=1)` per expert and projection, whose weight is the expert's slice: a `Gather` of the
+stacked initializer at a constant index, or that slice folded into a 2-D initializer. Such a Gemm
+becomes the MatMul above, with the slice as its FP4 weight; the stacked initializer goes once no
+node reads it. The model moves to opset 23 (the first whose DequantizeLinear
 takes FLOAT4E2M1; block_size arrived in 21) and IR version 11, and imports the `trt` domain.
 
 ONNX Runtime 1.32 cannot run the result (its CPU provider has no DequantizeLinear or Cast for
@@ -49,7 +54,8 @@ TRT_DOMAIN = "trt"
 DYNAMIC_QUANTIZE = "TRT_FP4DynamicQuantize"
 _FLOATS = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16)
 _BLOCK_MODULE = re.compile(r"\.(blocks|layers)\.\d+\.")
-_LINEAR = "torch.nn.modules.linear.Linear"
+# Modules whose weight products are quantized: nn.Linear, and DiffusionGemma's stacked experts.
+_QUANTIZED_CLASSES = ("torch.nn.modules.linear.Linear", "dlmrt.export.models.diffusion_gemma.Experts")
 
 
 @dataclass
@@ -61,38 +67,78 @@ class QuantizeReport:
 
 def module_of(node: onnx.NodeProto) -> str | None:
     """The torch module (name in the step graph) whose forward wrote `node`, when it was an
-    nn.Linear; None otherwise or when the exporter's metadata is missing."""
+    nn.Linear or stacked experts; None otherwise or when the exporter's metadata is missing."""
     meta = {p.key: p.value for p in node.metadata_props}
     try:
         scopes = ast.literal_eval(meta["pkg.torch.onnx.name_scopes"])
         classes = ast.literal_eval(meta["pkg.torch.onnx.class_hierarchy"])
     except (KeyError, ValueError, SyntaxError):
         return None
-    if len(scopes) < 2 or len(classes) < 2 or classes[-2] != _LINEAR:
+    if len(scopes) < 2 or len(classes) < 2 or classes[-2] not in _QUANTIZED_CLASSES:
         return None
     return scopes[-2]
 
 
-def _select(graph: onnx.GraphProto) -> tuple[list[onnx.NodeProto], dict[str, str], dict[str, str]]:
-    """(MatMuls to quantize, their modules, {skipped MatMul: reason})."""
-    weights = {i.name: i for i in graph.initializer}
-    chosen, modules, skipped = [], {}, {}
-    for node in graph.node:
-        if node.op_type != "MatMul":
-            continue
+@dataclass(frozen=True)
+class _Weight:
+    """A quantizable node's weight in nn.Linear's [out, in] layout, and the initializer it is read from."""
+
+    out_in: np.ndarray
+    dtype: int
+    source: str  # the initializer (stacked, for an expert's slice)
+
+
+def _weight(node: onnx.NodeProto, weights: Mapping[str, TensorProto],
+            producers: Mapping[str, onnx.NodeProto]) -> _Weight | str:
+    """The weight of a MatMul ([in, out] initializer) or of a plain Gemm(transB=1) ([out, in]
+    initializer, or a constant-index Gather of a stacked [E, out, in] one); else why not."""
+    if node.op_type == "MatMul":
         weight = weights.get(node.input[1])
-        module = module_of(node)
         if weight is None or len(weight.dims) != 2 or weight.data_type not in _FLOATS:
-            skipped[node.name] = "its second input is not a 2-D float weight initializer"
+            return "its second input is not a 2-D float weight initializer"
+        return _Weight(numpy_helper.to_array(weight).astype(np.float32).T, weight.data_type, weight.name)
+    attributes = _attributes(node)
+    if len(node.input) > 2 or attributes.get("transA", 0) or attributes.get("transB", 0) != 1 or \
+            attributes.get("alpha", 1.0) != 1.0:
+        return "it is a Gemm other than x @ W^T (transB=1, no bias, alpha 1)"
+    weight = weights.get(node.input[1])
+    if weight is not None and len(weight.dims) == 2 and weight.data_type in _FLOATS:
+        return _Weight(numpy_helper.to_array(weight).astype(np.float32), weight.data_type, weight.name)
+    gather = producers.get(node.input[1])
+    if gather is not None and gather.op_type == "Gather" and _attributes(gather).get("axis", 0) == 0:
+        stacked, index = weights.get(gather.input[0]), weights.get(gather.input[1])
+        if stacked is not None and len(stacked.dims) == 3 and stacked.data_type in _FLOATS and \
+                index is not None and len(index.dims) == 0:
+            expert = int(numpy_helper.to_array(index))
+            return _Weight(numpy_helper.to_array(stacked)[expert].astype(np.float32), stacked.data_type, stacked.name)
+    return "its weight is neither a 2-D float initializer nor one expert of a stacked initializer"
+
+
+def _select(graph: onnx.GraphProto) -> tuple[list[onnx.NodeProto], dict[str, _Weight], dict[str, str],
+                                              dict[str, str]]:
+    """(nodes to quantize, their weights, their modules, {skipped node: reason})."""
+    weights = {i.name: i for i in graph.initializer}
+    producers = {out: n for n in graph.node for out in n.output}
+    chosen, found, modules, skipped = [], {}, {}, {}
+    for node in graph.node:
+        if node.op_type not in ("MatMul", "Gemm"):
+            continue
+        weight = _weight(node, weights, producers)
+        module = module_of(node)
+        if isinstance(weight, str):
+            if node.op_type == "MatMul" or module is not None:  # a Gemm outside a Linear is no weight product
+                skipped[node.name] = weight
         elif module is None or not _BLOCK_MODULE.search(module):
-            skipped[node.name] = (f"{module or 'it'} is not an nn.Linear inside a transformer block (the "
-                                  f"LM head, router and adapter stay in high precision)")
-        elif weight.dims[0] % BLOCK_SIZE:
-            skipped[node.name] = f"its reduction dimension {weight.dims[0]} is not a multiple of {BLOCK_SIZE}"
+            skipped[node.name] = (f"{module or 'it'} is not an nn.Linear or stacked experts inside a transformer "
+                                  f"block (the LM head, router and adapter stay in high precision)")
+        elif weight.out_in.shape[1] % BLOCK_SIZE:
+            skipped[node.name] = (f"its reduction dimension {weight.out_in.shape[1]} is not a multiple of "
+                                  f"{BLOCK_SIZE}")
         else:
             chosen.append(node)
+            found[node.name] = weight
             modules[node.name] = module
-    return chosen, modules, skipped
+    return chosen, found, modules, skipped
 
 
 def _calibrate(model: onnx.ModelProto, names: Sequence[str], feeds: Sequence[Mapping[str, np.ndarray]]
@@ -123,10 +169,9 @@ def _calibrate(model: onnx.ModelProto, names: Sequence[str], feeds: Sequence[Map
     return amax
 
 
-def _weight_nodes(node: onnx.NodeProto, weight: TensorProto) -> tuple[list[onnx.NodeProto], list[TensorProto]]:
+def _weight_nodes(node: onnx.NodeProto, weight: _Weight) -> tuple[list[onnx.NodeProto], list[TensorProto]]:
     """The quantized weight's initializers and its DQ -> DQ -> Transpose chain into `node`."""
-    w = numpy_helper.to_array(weight).astype(np.float32).T  # [in, out] -> nn.Linear's [out, in]
-    q = nvfp4.quantize(torch.from_numpy(np.ascontiguousarray(w)))
+    q = nvfp4.quantize(torch.from_numpy(np.ascontiguousarray(weight.out_in)))
     prefix = f"{node.name}.weight"
     codes, scales, scale = f"{prefix}.fp4", f"{prefix}.block_scales", f"{prefix}.global_scale"
     initializers = [
@@ -137,10 +182,13 @@ def _weight_nodes(node: onnx.NodeProto, weight: TensorProto) -> tuple[list[onnx.
     nodes = [
         helper.make_node("DequantizeLinear", [scales, scale], [f"{prefix}.scales"], name=f"{prefix}.scale_dq"),
         helper.make_node("DequantizeLinear", [codes, f"{prefix}.scales"], [f"{prefix}.dq"], name=f"{prefix}.dq",
-                         axis=-1, block_size=BLOCK_SIZE, **_output_dtype(weight.data_type)),
+                         axis=-1, block_size=BLOCK_SIZE, **_output_dtype(weight.dtype)),
         helper.make_node("Transpose", [f"{prefix}.dq"], [f"{prefix}.t"], name=f"{prefix}.transpose", perm=[1, 0]),
     ]
     node.input[1] = f"{prefix}.t"
+    if node.op_type == "Gemm":  # x @ W^T with W = Transpose(dequantized [out, in]): a MatMul
+        node.op_type = "MatMul"
+        node.ClearField("attribute")
     return nodes, initializers
 
 
@@ -166,17 +214,17 @@ def _output_dtype(dtype: int) -> dict:
     return {} if dtype == TensorProto.FLOAT else {"output_dtype": dtype}
 
 
-def _rewrite(graph: onnx.GraphProto, chosen: list[onnx.NodeProto], amax: dict[str, float]) -> None:
-    weights = {i.name: i for i in graph.initializer}
+def _rewrite(graph: onnx.GraphProto, chosen: list[onnx.NodeProto], found: Mapping[str, _Weight],
+             amax: dict[str, float]) -> None:
     names = {n.name for n in chosen}
-    replaced = {n.input[1] for n in chosen}
+    slices = {n.input[1] for n in chosen}  # where a weight was an expert's slice, the Gather's output
     inserted: dict[str, str] = {}  # activation -> its dequantized form
     nodes, initializers = [], []
     for node in graph.node:
         if node.name in names:
-            weight = weights[node.input[1]]
+            weight = found[node.name]
             if node.input[0] not in inserted:
-                chain, inits, output = _input_nodes(node.input[0], amax[node.input[0]], weight.data_type)
+                chain, inits, output = _input_nodes(node.input[0], amax[node.input[0]], weight.dtype)
                 nodes += chain
                 initializers += inits
                 inserted[node.input[0]] = output
@@ -186,8 +234,10 @@ def _rewrite(graph: onnx.GraphProto, chosen: list[onnx.NodeProto], amax: dict[st
             initializers += inits
         nodes.append(node)
     graph.ClearField("node")
-    graph.node.extend(nodes)
+    read = {name for n in nodes for name in n.input} | {o.name for o in graph.output}
+    graph.node.extend(n for n in nodes if not (n.op_type == "Gather" and n.output[0] in slices - read))
     used = {name for n in graph.node for name in n.input}
+    replaced = {weight.source for weight in found.values()}
     kept = [i for i in graph.initializer if i.name in used or i.name not in replaced]
     graph.ClearField("initializer")
     graph.initializer.extend(kept + initializers)
@@ -217,10 +267,10 @@ def quantize_onnx(in_path: str | Path, out_path: str | Path,
     `out_path` in TensorRT's NVFP4 form; input global scales are calibrated by running the graph
     with ONNX Runtime on `feeds` (dicts of numpy arrays, one per graph input)."""
     model = onnx.load(str(in_path))
-    chosen, modules, skipped = _select(model.graph)
+    chosen, found, modules, skipped = _select(model.graph)
     amax = _calibrate(model, sorted({n.input[0] for n in chosen}), feeds)
     report = QuantizeReport(modules, {n.name: amax[n.input[0]] for n in chosen}, skipped)
-    _rewrite(model.graph, chosen, amax)
+    _rewrite(model.graph, chosen, found, amax)
     _set_opset(model)
     problems = check_nvfp4_graph(model)
     if problems:
