@@ -84,9 +84,11 @@ def cuda_provider(device: torch.device, stream: torch.cuda.Stream, cuda_graph: b
                                      "enable_cuda_graph": "1" if cuda_graph else "0", "use_tf32": "0"}
 
 
-def session_options(optimization: str, threads: int | None):
+def session_options(optimization: str, threads: int | None, *, spinning: bool = True):
     """ONNX Runtime session options at an optimization level (OPTIMIZATION_LEVELS), with `threads` intra-op
-    threads (None: ONNX Runtime's default)."""
+    threads (None: ONNX Runtime's default). `spinning=False` lets the intra-op threads sleep between runs
+    instead of spinning, for a loop that runs torch ops between them (spinning threads take the cores
+    those ops need)."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
@@ -98,6 +100,8 @@ def session_options(optimization: str, threads: int | None):
         "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}[optimization]
     if threads is not None:
         options.intra_op_num_threads = threads
+    if not spinning:
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return options
 
 

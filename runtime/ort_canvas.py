@@ -70,7 +70,8 @@ class OrtCanvasBackend(Backend, CanvasBackend):
                                             canvas_hint=spec.limits_hint))
         self.sessions = {}
         for graph, entry in self.manifest.graphs.items():
-            options = session_options(optimization, threads)
+            # the step's sampling runs in torch between the decode and soft_tokens runs
+            options = session_options(optimization, threads, spinning=False)
             source = str(self.export_dir / entry.file)
             self.manifest.check_graph(graph, onnx.load(source, load_external_data=False), source)
             self.sessions[graph] = ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
