@@ -36,8 +36,9 @@ class DimRange:
         return [self.min, self.opt, self.max]
 
 
-def parse_range(text: str, dimension: str) -> DimRange:
-    """`MIN:OPT:MAX`, or one number for a fixed size."""
+def parse_range(text: str, dimension: str, least: int = 1) -> DimRange:
+    """`MIN:OPT:MAX`, or one number for a fixed size; MIN at least `least` (0 where a dimension may be
+    empty, as a uniform-noise encoder's prefix is on the prompt)."""
     parts = text.split(":")
     try:
         values = [int(part) for part in parts]
@@ -48,8 +49,8 @@ def parse_range(text: str, dimension: str) -> DimRange:
     if len(values) != 3:
         raise ProfileError(f"--{dimension} {text!r}: expected MIN:OPT:MAX (like 1:4:8) or one size")
     low, opt, high = values
-    if not 1 <= low <= opt <= high:
-        raise ProfileError(f"--{dimension} {text}: need 1 <= MIN <= OPT <= MAX")
+    if not least <= low <= opt <= high or high < 1:
+        raise ProfileError(f"--{dimension} {text}: need {least} <= MIN <= OPT <= MAX")
     return DimRange(low, opt, high)
 
 

@@ -40,6 +40,28 @@ class CacheGroup:
     head_dim: int
 
 
+def empty_cache(groups: Sequence[CacheGroup], batch: int, dtype: torch.dtype,
+                device: torch.device | str = "cpu") -> LayerGroupKV:
+    """The cache before the prompt: no positions."""
+    sliding, full = (torch.zeros(g.layers, 2, batch, g.heads, 0, g.head_dim, dtype=dtype, device=device)
+                     for g in groups)
+    return LayerGroupKV(sliding, full, torch.zeros(batch, 0, dtype=torch.long, device=device))
+
+
+def encoder_inputs(ids: Tensor, positions: Tensor, key_mask: Tensor, cache: LayerGroupKV) -> dict[str, Tensor]:
+    """The exported encoder's inputs by name (`dlmrt.export.canvas_export`): the loop's `[B, P + T]` key
+    mask split into `past_key_mask [B, P]` and `key_mask [B, T]`."""
+    from dlmrt.errors import ArgumentError
+
+    prefix = cache.positions.shape[1]
+    if key_mask.shape != (ids.shape[0], prefix + ids.shape[1]):
+        raise ArgumentError(f"key_mask has shape {list(key_mask.shape)}, but a cache of {prefix} positions and "
+                            f"{ids.shape[1]} ids need [{ids.shape[0]}, {prefix + ids.shape[1]}]")
+    return {"ids": ids, "positions": positions, "key_mask": key_mask[:, prefix:],
+            "past_key_mask": key_mask[:, :prefix], "past_sliding": cache.sliding, "past_full": cache.full,
+            "past_positions": cache.positions}
+
+
 @dataclass(frozen=True)
 class CanvasBucket:
     batch: int  # rows, padding rows included
@@ -117,6 +139,12 @@ class CanvasState(StaticBuffers):
             confidence_threshold=torch.zeros(rows, **real), block_step=torch.zeros(rows, **long),
             stable_run=torch.zeros(rows, **long), finished=torch.ones(rows, **flag), done=torch.ones(rows, **flag),
             forwards=torch.zeros(rows, **long))
+
+    def decoder_inputs(self) -> dict[str, Tensor]:
+        """The exported decoder's inputs by name: the state's own buffers, read in place."""
+        return {"canvas": self.canvas, "positions": self.positions, "key_mask": self.key_mask,
+                "past_key_mask": self.past_key_mask, "past_sliding": self.cache_sliding,
+                "past_full": self.cache_full, "past_positions": self.cache_positions, "z": self.z}
 
     @property
     def cache(self) -> LayerGroupKV:

@@ -31,7 +31,7 @@ from dlmrt.export.models.diffusion_gemma import LayerGroupKV
 from dlmrt.runtime import canvas_step
 from dlmrt.runtime.ort_backend import OPTIMIZATION_LEVELS, io_binding, session_options
 from dlmrt.runtime.backend import Backend, ModelSpec
-from dlmrt.runtime.canvas_state import CacheGroup, CanvasState
+from dlmrt.runtime.canvas_state import CacheGroup, CanvasState, empty_cache, encoder_inputs
 from dlmrt.runtime.device_state import BucketLadder, DeviceState
 from dlmrt.runtime.device_step import StepKind
 from dlmrt.runtime.uniform_noise import CanvasBackend
@@ -87,16 +87,12 @@ class OrtCanvasBackend(Backend, CanvasBackend):
 
     def empty_cache(self, batch: int) -> LayerGroupKV:
         """The cache before the prompt: no positions."""
-        groups = [torch.zeros(group.layers, 2, batch, group.heads, 0, group.head_dim, dtype=self.spec.dtype)
-                  for group in self.cache_groups()]
-        return LayerGroupKV(*groups, torch.zeros(batch, 0, dtype=torch.long))
+        return empty_cache(self.cache_groups(), batch, self.spec.dtype)
 
     def encode(self, ids: Tensor, positions: Tensor, key_mask: Tensor, cache: LayerGroupKV | None) -> LayerGroupKV:
         if cache is None:  # the prompt
             cache = self.empty_cache(ids.shape[0])
-        sliding, full, cache_positions = self._run("encode", {"ids": ids, "positions": positions,
-                                                              **self._cache_feeds(ids, key_mask, cache)})
-        return LayerGroupKV(sliding, full, cache_positions)
+        return LayerGroupKV(*self._run("encode", encoder_inputs(ids, positions, key_mask, cache)))
 
     def run_canvas(self, state: CanvasState, steps: int) -> None:
         key = id(state)
@@ -112,15 +108,6 @@ class OrtCanvasBackend(Backend, CanvasBackend):
                             f"loop (Generator does so), not as mask-model steps")
 
     # -- running a graph ------------------------------------------------------------------------------
-    @staticmethod
-    def _cache_feeds(ids: Tensor, key_mask: Tensor, cache: LayerGroupKV) -> dict[str, Tensor]:
-        prefix = cache.positions.shape[1]
-        if key_mask.shape != (ids.shape[0], prefix + ids.shape[1]):
-            raise ArgumentError(f"key_mask has shape {list(key_mask.shape)}, but a cache of {prefix} positions and "
-                                f"{ids.shape[1]} ids need [{ids.shape[0]}, {prefix + ids.shape[1]}]")
-        return {"key_mask": key_mask[:, prefix:], "past_key_mask": key_mask[:, :prefix],
-                "past_sliding": cache.sliding, "past_full": cache.full, "past_positions": cache.positions}
-
     def _run(self, graph: str, feeds: dict[str, Tensor]) -> list[Tensor]:
         if self.observe is not None:
             self.observe(graph, feeds)
@@ -140,10 +127,7 @@ class _OrtCanvasGraphs:
         self.scaled = torch.empty_like(self.logits)
         self.z, self.certainty = torch.empty_like(state.z), torch.empty(rows, width, dtype=torch.float32)
         self.decode_session, self.soft_session = backend.sessions["decode"], backend.sessions["soft_tokens"]
-        self.decode_inputs = {
-            "canvas": state.canvas, "positions": state.positions, "key_mask": state.key_mask,
-            "past_key_mask": state.past_key_mask, "past_sliding": state.cache_sliding,
-            "past_full": state.cache_full, "past_positions": state.cache_positions, "z": state.z}
+        self.decode_inputs = state.decoder_inputs()
         self.decode_binding = io_binding(self.decode_session, self.decode_inputs, {"logits": self.logits})
         self.soft_inputs = {"scaled_logits": self.scaled}
         self.soft_binding = io_binding(self.soft_session, self.soft_inputs, {"z": self.z, "certainty": self.certainty})

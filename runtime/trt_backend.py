@@ -16,6 +16,11 @@ binding current on the context (a no-op while the same kind runs on) and enqueue
 CUDA graph (`dlmrt.runtime.cuda_graphs`), as TensorRT-LLM captures its `enqueueV3`; the addresses
 never move, so a graph is captured once and never updated.
 
+A uniform-noise export (DiffusionGemma) has three engines instead: the decoder and soft-token engines
+are bound once per canvas bucket to its static buffers and run by `dlmrt.runtime.canvas_step` (K
+steps captured into one CUDA graph on CUDA), and the encoder runs once per block on buffers made
+for that block, since its prefix grows from block to block.
+
 The binding contract is tested on the CPU against a recording fake of these TensorRT calls that runs
 the exported graphs with ONNX Runtime at the bound addresses (tests/fake_tensorrt.py).
 """
@@ -33,12 +38,15 @@ from dlmrt.engines import builder, profiles, targets
 from dlmrt.engines.select import select
 from dlmrt.engines.store import EngineStore
 from dlmrt.errors import ArgumentError, DlmrtError, MissingExtraError
-from dlmrt.export.export_manifest import ExportManifest
+from dlmrt.export.export_manifest import CANVAS_GRAPHS, ExportManifest
 from dlmrt.plugins import register_tensorrt_plugins
-from dlmrt.runtime import cuda_graphs, device_step
+from dlmrt.export.models.diffusion_gemma import LayerGroupKV
+from dlmrt.runtime import canvas_step, cuda_graphs, device_step
 from dlmrt.runtime.backend import Backend, ModelSpec
+from dlmrt.runtime.canvas_state import CacheGroup, CanvasState, empty_cache, encoder_inputs
 from dlmrt.runtime.device_state import BucketLadder, DeviceState
 from dlmrt.runtime.device_step import StepKind
+from dlmrt.runtime.uniform_noise import CanvasBackend
 
 
 class EngineRunError(DlmrtError):
@@ -54,7 +62,7 @@ def import_tensorrt():
     return tensorrt
 
 
-class TrtBackend(Backend):
+class TrtBackend(Backend, CanvasBackend):
     def __init__(self, export_dir: str | Path, engines: str | Path | None = None, *, precision: str | None = None,
                  tensorrt=None, plugins: Callable[[], None] = register_tensorrt_plugins,
                  capability: tuple[int, int] | None = None, device: str | torch.device = "cuda"):
@@ -70,15 +78,16 @@ class TrtBackend(Backend):
                 raise ArgumentError("--backend trt runs TensorRT engines on a CUDA GPU, and none is visible: "
                                     "use --backend torch or --backend ort here")
             capability = gpu[0]
+        needed = CANVAS_GRAPHS if manifest.model.noise == "uniform" else ("full", "cached")
         self.selected = select(EngineStore(engines), self.export_dir, capability=capability,
-                               tensorrt_version=trt.__version__, precision=precision)
+                               tensorrt_version=trt.__version__, precision=precision, graphs=needed)
         record = self.selected.manifest
         spec = ModelSpec.of_export(manifest, self.export_dir, device)
         guided = all(graph in record["graphs"] for graph in ("full_guided", "cached_guided"))
         spec = dataclasses.replace(spec, supports_guidance=spec.supports_guidance and guided)
         self.rebuild_hint = f"rebuild with larger ranges (`dlmrt build {self.export_dir} --batch MIN:OPT:MAX " \
                             f"--prefix MIN:OPT:MAX ...`)"
-        highest = {name: profiles.parse_range(text, name).max for name, text in record["ranges"].items()}
+        highest = {name: profiles.parse_range(text, name, least=0).max for name, text in record["ranges"].items()}
         longest = min(manifest.limits.max_length, *(highest[name] for name in ("window", "prefix") if name in highest))
         super().__init__(spec, BucketLadder(highest["batch"], longest, batch_hint=self.rebuild_hint,
                                             canvas_hint=self.rebuild_hint))
@@ -96,14 +105,17 @@ class TrtBackend(Backend):
         self._bindings: dict[tuple, _EngineBinding] = {}
         self._current: dict[str, _EngineBinding] = {}  # per graph: the binding its context is set up for
         self._runners: dict[tuple, Callable[[], None]] = {}
+        self._canvas_graphs: dict[int, _EngineCanvasGraphs] = {}  # per canvas state
         self._pool = None
 
     def _binding(self, state: DeviceState, kind: StepKind) -> _EngineBinding:
         key = (id(state), kind.binding_key)
         if key not in self._bindings:
             device_step.allocate(state, kind)
-            graph = kind.graph(state.bucket.guided)
-            self._bindings[key] = _EngineBinding(self, graph, state, kind)
+            outputs = device_step.output_buffers(self.spec, state, kind, every_output=True)
+            self._bindings[key] = _EngineBinding(self, kind.graph(state.bucket.guided),
+                                                 device_step.graph_inputs(state, kind), outputs,
+                                                 device_step.graph_outputs(outputs, kind))
         return self._bindings[key]
 
     def _steps(self, state: DeviceState, kind: StepKind, steps: int) -> None:
@@ -112,18 +124,21 @@ class TrtBackend(Backend):
             device_step.step(state, kind, binding)
 
     def prepare_steps(self, state: DeviceState, kind: StepKind, steps: int) -> float:
-        key = (id(state), kind, steps)
+        self._binding(state, kind)
+        return self._prepare((id(state), kind, steps), state, lambda: self._steps(state, kind, steps))
+
+    def _prepare(self, key: tuple, state, run_steps: Callable[[], None]) -> float:
+        """The runner of `key` (a state's id, what it runs, and K) on first use: on CUDA the steps
+        captured into a CUDA graph, elsewhere the steps themselves. Returns the seconds spent."""
         if key in self._runners:
             return 0.0
         started = time.perf_counter()
-        self._binding(state, kind)
         if self.spec.device.type == "cuda":
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
-            self._runners[key] = cuda_graphs.capture(lambda: self._steps(state, kind, steps), state,
-                                                     self.spec.device, self._pool)
+            self._runners[key] = cuda_graphs.capture(run_steps, state, self.spec.device, self._pool)
         else:
-            self._runners[key] = lambda: self._steps(state, kind, steps)
+            self._runners[key] = run_steps
         return time.perf_counter() - started
 
     @torch.no_grad()
@@ -131,25 +146,67 @@ class TrtBackend(Backend):
         self.prepare_steps(state, kind, steps)
         self._runners[(id(state), kind, steps)]()
 
+    # -- CanvasBackend: a uniform-noise model's encode, decode and soft_tokens engines -----------------
+    def cache_groups(self) -> tuple[CacheGroup, CacheGroup]:
+        shapes = (tuple(self._engines["decode"].get_tensor_shape(name)) for name in ("past_sliding", "past_full"))
+        return tuple(CacheGroup(layers, heads, head) for layers, _, _, heads, _, head in shapes)
+
+    @torch.no_grad()
+    def encode(self, ids: torch.Tensor, positions: torch.Tensor, key_mask: torch.Tensor,
+               cache: LayerGroupKV | None) -> LayerGroupKV:
+        """The encoder engine on buffers made for this call: its prefix grows block by block, so
+        it runs once per block outside the steps, with the shapes of that block."""
+        if cache is None:  # the prompt
+            cache = empty_cache(self.cache_groups(), ids.shape[0], self.spec.dtype, self.spec.device)
+        inputs = {name: tensor.contiguous() for name, tensor in encoder_inputs(ids, positions, key_mask,
+                                                                                cache).items()}
+        context = self._contexts["encode"]
+        for name, tensor in inputs.items():
+            if not context.set_input_shape(name, tuple(tensor.shape)):
+                raise ArgumentError(f"encode input {name} of shape {list(tensor.shape)} lies outside the engine's "
+                                    f"profile: {self.rebuild_hint}")
+        outputs = {name: torch.empty(tuple(context.get_tensor_shape(name)), device=self.spec.device,
+                                     dtype=torch.long if name == "cache_positions" else self.spec.dtype)
+                   for name in ("sliding", "full", "cache_positions")}
+        self._current.pop("encode", None)
+        binding = _EngineBinding(self, "encode", inputs, outputs, LayerGroupKV(*outputs.values()))
+        return binding()
+
+    def prepare_canvas_steps(self, state: CanvasState, steps: int) -> float:
+        key = id(state)
+        if key not in self._canvas_graphs:
+            self._canvas_graphs[key] = _EngineCanvasGraphs(self, state)
+        graphs = self._canvas_graphs[key]
+
+        def run_steps():
+            for _ in range(steps):
+                canvas_step.step(state, graphs)
+        return self._prepare((key, "canvas", steps), state, run_steps)
+
+    @torch.no_grad()
+    def run_canvas(self, state: CanvasState, steps: int) -> None:
+        self.prepare_canvas_steps(state, steps)
+        self._runners[(id(state), "canvas", steps)]()
+
 
 class _EngineBinding:
-    """One bucket's buffers bound to one graph's execution context, for one step kind."""
+    """Static buffers bound to one graph's execution context: `inputs` and `outputs` by name; a call
+    enqueues the engine on them and returns `results`."""
 
-    def __init__(self, backend: TrtBackend, graph: str, state: DeviceState, kind: StepKind):
-        self.backend, self.graph, self.state = backend, graph, state  # the state stays alive with its binding
+    def __init__(self, backend: TrtBackend, graph: str, inputs: dict[str, torch.Tensor],
+                 outputs: dict[str, torch.Tensor], results=None):
+        self.backend, self.graph = backend, graph
+        self.inputs, self.outputs, self.results = inputs, outputs, results  # the buffers stay alive with it
         self.context, engine = backend._contexts[graph], backend._engines[graph]
-        inputs = device_step.graph_inputs(state, kind)
-        self.outputs = device_step.output_buffers(backend.spec, state, kind, every_output=True)
-        self.results = device_step.graph_outputs(self.outputs, kind)
         names = [engine.get_tensor_name(index) for index in range(engine.num_io_tensors)]
         input_mode = backend._trt.TensorIOMode.INPUT
         wanted = {name: engine.get_tensor_mode(name) == input_mode for name in names}
-        missing = [name for name, is_input in wanted.items() if name not in (inputs if is_input else self.outputs)]
+        missing = [name for name, is_input in wanted.items() if name not in (inputs if is_input else outputs)]
         if missing:
             raise EngineRunError(f"the {graph} engine in {backend.selected.entry} has tensors the export's step "
                                  f"does not ({', '.join(missing)}): rebuild it from this export with `dlmrt build`")
         self.shapes = {name: tuple(inputs[name].shape) for name, is_input in wanted.items() if is_input}
-        self.addresses = {name: (inputs[name] if is_input else self.outputs[name]).data_ptr()
+        self.addresses = {name: (inputs[name] if is_input else outputs[name]).data_ptr()
                           for name, is_input in wanted.items()}
         for name, shape in self.shapes.items():
             declared = tuple(engine.get_tensor_shape(name))
@@ -158,7 +215,7 @@ class _EngineBinding:
                 raise ArgumentError(f"{graph} input {name} of shape {list(shape)} lies outside the engine's "
                                     f"profile ({list(low)} to {list(high)}): {backend.rebuild_hint}")
         self.make_current()
-        for name, tensor in self.outputs.items():
+        for name, tensor in outputs.items():
             found = tuple(self.context.get_tensor_shape(name)) if name in wanted else None
             if found is not None and found != tuple(tensor.shape):
                 raise EngineRunError(f"the {graph} engine's {name} output has shape {list(found)}, the step "
@@ -175,10 +232,33 @@ class _EngineBinding:
                 raise EngineRunError(f"TensorRT refused the address of {self.graph} tensor {name}")
         self.backend._current[self.graph] = self
 
-    def __call__(self, inputs) -> device_step.GraphOutputs:
+    def __call__(self, inputs=None):
         self.make_current()
         device = self.backend.spec.device
         stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
         if not self.context.execute_async_v3(stream):
             raise EngineRunError(f"TensorRT failed to enqueue the {self.graph} engine (its log above says why)")
         return self.results
+
+
+class _EngineCanvasGraphs:
+    """A uniform-noise model's decoder and soft-token engines bound to one canvas bucket's buffers, as
+    `canvas_step.step` calls them."""
+
+    def __init__(self, backend: TrtBackend, state: CanvasState):
+        rows, width = state.canvas.shape
+        device = state.canvas.device
+        self.logits = torch.empty(rows, width, backend.spec.vocab_size, dtype=torch.float32, device=device)
+        self.scaled = torch.empty_like(self.logits)
+        self.z = torch.empty_like(state.z)
+        self.decoder = _EngineBinding(backend, "decode", state.decoder_inputs(), {"logits": self.logits},
+                                      self.logits)
+        self.soft = _EngineBinding(backend, "soft_tokens", {"scaled_logits": self.scaled},
+                                   {"z": self.z, "certainty": torch.empty(rows, width, device=device)}, self.z)
+
+    def decode(self, state: CanvasState) -> torch.Tensor:
+        return self.decoder()
+
+    def soft_tokens(self, scaled_logits: torch.Tensor) -> torch.Tensor:
+        self.scaled.copy_(scaled_logits)
+        return self.soft()

@@ -132,10 +132,11 @@ class UniformNoiseRun:
             if not self._denoise():
                 yield from self._finish_running("cancelled")
                 return
-            tokens = state.argmax
             if self.stops_at_eos:
-                tokens = pad_after_eos(tokens, self.eos, self.spec.pad_id, state.finished)
+                tokens = pad_after_eos(state.argmax, self.eos, self.spec.pad_id, state.finished)
                 state.finished.logical_or_(torch.isin(tokens, self.eos).any(-1))
+            else:  # padding rows took no step: pad, not their draft's -1
+                tokens = state.argmax.masked_fill(state.finished[:, None], self.spec.pad_id)
             host_tokens, finished = tokens[:self.batch].tolist(), state.finished[:self.batch].tolist()  # once a block
             width = bucket.width
             self.tokens[:, block * width:(block + 1) * width] = torch.tensor(host_tokens)

@@ -147,19 +147,15 @@ class FakeContext:
         sizes = {}
         for name, (_, dims) in self.engine.inputs.items():
             for dim, size in zip(dims, self.shapes[name]):
-                if isinstance(dim, str) and _SCALED.match(dim) is None:
+                if isinstance(dim, str) and _SCALED.match(dim) is None and "+" not in dim:
                     assert sizes.setdefault(dim, size) == size, f"axis {dim} has two sizes"
         return sizes
 
     def get_tensor_shape(self, name: str) -> tuple[int, ...]:
         dims = self.engine.outputs[name][1] if name in self.engine.outputs else self.engine.inputs[name][1]
         sizes = self._dims()
-        shape = []
-        for dim in dims:
-            scaled = _SCALED.match(dim) if isinstance(dim, str) else None
-            shape.append(dim if isinstance(dim, int) else int(scaled.group(1)) * sizes[scaled.group(2)] if scaled
-                         else sizes[dim])
-        return tuple(shape)
+        return tuple(dim if isinstance(dim, int) else sum(_size(term.strip(), sizes) for term in dim.split("+"))
+                     for dim in dims)
 
     def execute_async_v3(self, stream: int) -> bool:
         unset = [name for name in self.engine.inputs if name not in self.shapes]
@@ -173,6 +169,12 @@ class FakeContext:
             _view(self.addresses[name], self.engine.outputs[name][0], result.shape)[...] = result
         self.executions.append(dict(self.addresses))
         return True
+
+
+def _size(term: str, sizes: dict[str, int]) -> int:
+    """One term of a symbolic dimension: a named axis, or N*axis."""
+    scaled = _SCALED.match(term)
+    return int(scaled.group(1)) * sizes[scaled.group(2)] if scaled else sizes[term]
 
 
 def _view(address: int, dtype, shape) -> np.ndarray:

@@ -30,6 +30,7 @@ from dlmrt.export.export_manifest import (CANVAS_GRAPHS, MANIFEST_FILE, ExportMa
 from dlmrt.export.models.residual import Residual  # noqa: E402
 from dlmrt.runtime import EntropyBound, GenerationSettings, Generator, Threshold  # noqa: E402
 from dlmrt.runtime.exported_model import ExportedModel  # noqa: E402
+from dlmrt.runtime.canvas_state import encoder_inputs  # noqa: E402
 from dlmrt.runtime.ort_canvas import OrtCanvasBackend  # noqa: E402
 
 DATA = Path(__file__).parent / "data"
@@ -69,8 +70,9 @@ def ort_decode(backend, canvas, positions, key_mask, cache, soft_tokens):
     if cache is None:
         cache = backend.empty_cache(canvas.shape[0])
     z = torch.zeros(*canvas.shape, backend.spec.hidden_size) if soft_tokens is None else soft_tokens.z
-    (logits,) = backend._run("decode", {"canvas": canvas, "positions": positions, "z": z,
-                                        **backend._cache_feeds(canvas, key_mask, cache)})
+    feeds = encoder_inputs(canvas, positions, key_mask, cache)
+    feeds["canvas"] = feeds.pop("ids")
+    (logits,) = backend._run("decode", {**feeds, "z": z})
     return logits
 
 
@@ -377,3 +379,39 @@ def test_nvfp4_quantizes_every_expert_of_the_decoder(trained_export, tmp_path):
         expected = sorted(nvfp4.fake_quantize(weight[e]).numpy().tobytes() for weight in stacked
                           for e in range(config.num_experts))
         assert mine == expected
+
+
+@pytest.mark.slow
+def test_the_engines_run_the_uniform_noise_loop_with_the_tokens_of_onnx_runtime_and_torch(trained_export, tmp_path):
+    """TrtBackend on the three graphs' engines (the recording fake of TensorRT, which runs each engine's
+    ONNX graph at the bound addresses): the encoder once per block, the decoder and soft tokens bound once to
+    the bucket's buffers."""
+    from dlmrt import tasks
+    from dlmrt.engines import build, targets
+    from dlmrt.engines.plan import make_plan
+    from dlmrt.engines.profiles import DimRange
+    from dlmrt.engines.store import EngineStore
+    from dlmrt.runtime.trt_backend import TrtBackend
+    from fake_tensorrt import FakeTensorRT, engine_builder
+
+    model, exported = trained_export
+    store = EngineStore(tmp_path / "engines")
+    plan = make_plan(exported, targets.target_named("sm_90"), "bf16", tensorrt="10.13.0", store=store.root,
+                     ranges={"batch": DimRange(1, 2, 4)})
+    build.run(plan, store, device="NVIDIA H200", tensorrt_version="10.13.0", engine_builder=engine_builder)
+    trt = FakeTensorRT("10.13.0")
+    backend = TrtBackend(exported, store.root, tensorrt=trt, plugins=trt.register_plugins, capability=(9, 0),
+                         device="cpu")
+    prompts = [model.tokenizer.encode(e.prompt).ids for e in tasks.examples("test", 1, 0)][:3]
+    settings = GenerationSettings(32, 16, EntropyBound(steps=8), seed=5, ignore_eos=True)  # both blocks run
+    got = Generator(backend).generate(prompts, settings)
+    assert torch.equal(got.tokens, Generator(OrtCanvasBackend(exported, threads=1)).generate(prompts, settings).tokens)
+    assert torch.equal(got.tokens, Generator(model, mode="eager").generate(prompts, settings).tokens)
+    encode, decode, soft = (next(c for c in trt.contexts if c.engine.names[0] == name)
+                            for name in ("ids", "canvas", "scaled_logits"))
+    assert len(decode.executions) == len(soft.executions) == got.metrics.forwards_executed - 2
+    assert len(encode.executions) == 2  # the prompt, and the first block's commit
+    assert encode.executions[0]["past_key_mask"] != encode.executions[1]["past_key_mask"]  # a prefix, then none
+    assert decode.address_calls == len(decode.addresses)  # bound once: every step reads the same buffers
+    with pytest.raises(ArgumentError, match=r"5 prompts exceed the batch limit of 4: rebuild with larger ranges"):
+        Generator(backend).generate(prompts + prompts[:2], settings)
