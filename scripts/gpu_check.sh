@@ -12,7 +12,8 @@
 # real engines. Last, scripts/bench_backends.py runs the tiny export through every backend on the GPU
 # (torch eager and CUDA graphs, ONNX Runtime's CUDA provider with and without CUDA graphs, and the
 # TensorRT engines built here): token agreement with torch and step latency against torch's CUDA
-# graphs; and `dlmrt bench` on LLaDA-8B's shapes, eager against CUDA graphs. Sized to finish in
+# graphs; `dlmrt bench` on LLaDA-8B's shapes, eager against CUDA graphs; and the tiny DiffusionGemma's
+# uniform-noise loop, eager against CUDA graphs (its test, `gpu`-marked, checks their tokens). Sized to finish in
 # under 8 minutes; each step has its own time limit. Results and logs go to $OUT (else a temp dir).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -65,6 +66,9 @@ fi
 step bench-llada-8b 180 "$python" -m dlmrt.cli bench --model llada-8b --device cuda --dtype bfloat16 \
     --backend torch:eager,torch:cudagraph --input-len 512 --output-len 32 --num-iters 3 \
     --output-json "$results/bench_llada_8b.json"
+step bench-diffusion-gemma 120 "$python" -m dlmrt.cli bench --model dlmrt/assets/tiny-diffusion-gemma --device cuda \
+    --policy entropy_bound --backend torch:eager,torch:cudagraph --batch-size 4 --input-len 12 --output-len 32 \
+    --block-length 16 --output-json "$results/bench_diffusion_gemma.json"
 step backends 120 "$python" scripts/bench_backends.py --export "$export_dir" --precisions "$precisions" \
     --json "$results/backends.json"
 
@@ -91,6 +95,6 @@ for line in open(sys.argv[2]):
     table.add_row(f"dlmrt {name} (tiny model)", outcome, seconds)
 Console(width=140).print(table)
 PY
-for log in latency-eager-cudagraph latency-compile bench-llada-8b backends; do  # the benchmark's own tables
+for log in latency-eager-cudagraph latency-compile bench-llada-8b bench-diffusion-gemma backends; do  # the benchmark's own tables
     [ -f "$results/$log.log" ] && grep -v "^  " "$results/$log.log" | tail -n 30
 done

@@ -239,3 +239,19 @@ def test_the_trained_tiny_model_decodes_its_tasks_and_each_row_as_alone(trained)
         assert torch.equal(alone.tokens[0], batched.tokens[row])
     right = sum(tasks.is_correct(e, text.decode(model, r.token_ids)) for e, r in zip(examples, batched.rows))
     assert right >= 0.6 * len(examples)  # it measured 77% on 400 held-out prompts (README)
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_give_the_eager_tokens():
+    """On a GPU: K steps captured into one CUDA graph per bucket, the eager tokens and forwards."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    import dlmrt
+
+    model = dlmrt.load(TINY, device="cuda")
+    prompts = task_prompts(model, 2)[:5]
+    settings = GenerationSettings(32, 16, EntropyBound(steps=8), seed=2, steps_per_sync=4)
+    eager = Generator(model, mode="eager").generate(prompts, settings)
+    captured = Generator(model, mode="cudagraph").generate(prompts, settings)
+    assert torch.equal(captured.tokens, eager.tokens)
+    assert [r.metrics.nfe for r in captured.rows] == [r.metrics.nfe for r in eager.rows]
