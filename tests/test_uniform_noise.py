@@ -139,19 +139,6 @@ def test_a_bucket_decodes_each_request_afresh(trained):
     assert [r.metrics.nfe for r in first.rows] == [r.metrics.nfe for r in again.rows]
 
 
-@pytest.mark.slow
-def test_the_compiled_steps_give_the_eager_tokens(trained):
-    """The step compiled with torch.compile(fullgraph=True), K steps per host read: no graph break (a break
-    fails the compile, and mode 'compile' asked by name raises), and the eager tokens."""
-    prompts = task_prompts(trained, 2)[:5]
-    settings = GenerationSettings(16, 8, EntropyBound(steps=8), seed=2, steps_per_sync=4)
-    eager = Generator(trained, mode="eager").generate(prompts, settings)
-    compiled = Generator(trained, mode="compile").generate(prompts, settings)
-    assert torch.equal(compiled.tokens, eager.tokens)
-    assert [r.metrics.nfe for r in compiled.rows] == [r.metrics.nfe for r in eager.rows]
-    assert compiled.metrics.compile_s > 0
-
-
 def test_steps_per_host_read_change_no_token(model):
     """Steps after a row stopped leave it as it was, so K steps per host read give the same tokens."""
     base = GenerationSettings(16, 8, EARLY, seed=3)
@@ -241,17 +228,20 @@ def test_the_trained_tiny_model_decodes_its_tasks_and_each_row_as_alone(trained)
     assert right >= 0.6 * len(examples)  # it measured 77% on 400 held-out prompts (README)
 
 
-@pytest.mark.gpu
-def test_cuda_graphs_give_the_eager_tokens():
-    """On a GPU: K steps captured into one CUDA graph per bucket, the eager tokens and forwards."""
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA GPU")
+@pytest.mark.parametrize("mode", [pytest.param("compile", marks=pytest.mark.slow),
+                                  pytest.param("cudagraph", marks=pytest.mark.gpu)])
+def test_compiled_and_captured_steps_give_the_eager_tokens(mode):
+    """K steps per host read, compiled with torch.compile(fullgraph=True) (a graph break fails the compile,
+    and a mode asked for by name raises) or captured into one CUDA graph per bucket: the eager tokens."""
     import dlmrt
 
-    model = dlmrt.load(TINY, device="cuda")
+    if mode == "cudagraph" and not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    model = dlmrt.load(TINY, device="cuda" if mode == "cudagraph" else "cpu")
     prompts = task_prompts(model, 2)[:5]
     settings = GenerationSettings(32, 16, EntropyBound(steps=8), seed=2, steps_per_sync=4)
     eager = Generator(model, mode="eager").generate(prompts, settings)
-    captured = Generator(model, mode="cudagraph").generate(prompts, settings)
-    assert torch.equal(captured.tokens, eager.tokens)
-    assert [r.metrics.nfe for r in captured.rows] == [r.metrics.nfe for r in eager.rows]
+    other = Generator(model, mode=mode).generate(prompts, settings)
+    assert torch.equal(other.tokens, eager.tokens)
+    assert [r.metrics.nfe for r in other.rows] == [r.metrics.nfe for r in eager.rows]
+    assert other.metrics.compile_s > 0  # it did compile or capture, rather than fall back
