@@ -11,7 +11,8 @@ each finished canvas to the cache. A `CanvasBucket` fixes every shape a step see
 - the cache storage: the prompt region, then one slot of W per block that can be committed
   (every block but the last), so S = P + (blocks - 1) * W. A step attends to all of it, masked to
   what has been written (`past_key_mask`), so its shapes never change from block to block;
-- the steps a block may take (the temperature schedule's length).
+- room for the temperature schedule: a power of two of at least 64 steps, so that runs with
+  different step counts share a bucket (and its compiled or captured steps).
 
 Every buffer is allocated once and keeps its address, so a step compiled or captured on a bucket
 stays valid for every request and every block that runs in it.
@@ -68,7 +69,12 @@ class CanvasBucket:
     prompt: int  # P: the prompt region, left padding included
     width: int  # W: the canvas (block) length
     blocks: int  # blocks per request (gen_length / W)
-    steps: int  # the most steps a block takes
+    schedule: int  # the temperature schedule's room: at least the most steps a block takes
+
+    @staticmethod
+    def schedule_room(steps: int) -> int:
+        """The schedule length of a bucket for blocks of at most `steps` steps."""
+        return max(64, 1 << (steps - 1).bit_length())
 
     @property
     def storage(self) -> int:
@@ -96,7 +102,8 @@ class CanvasState(StaticBuffers):
     past_key_mask: Tensor  # [B, S] bool: the cache positions that hold K/V of a real token
     prompt_lengths: Tensor  # [B] int64
     # per-row policy parameters
-    temperatures: Tensor  # [B, steps] float32: the schedule
+    temperatures: Tensor  # [B, schedule] float32: the temperature of each step (the first `last_step + 1`)
+    last_step: Tensor  # [B] int64: the schedule's last step (a block's steps beyond it reuse its temperature)
     entropy_bound: Tensor  # [B] float32
     seed: Tensor  # [B] int64
     stability_threshold: Tensor  # [B] int64
@@ -134,7 +141,8 @@ class CanvasState(StaticBuffers):
             z=torch.zeros(rows, width, spec.hidden_size, dtype=spec.dtype, device=device),
             cache_sliding=sliding, cache_full=full, cache_positions=torch.zeros(rows, storage, **long),
             past_key_mask=torch.zeros(rows, storage, **flag), prompt_lengths=torch.zeros(rows, **long),
-            temperatures=torch.ones(rows, bucket.steps, **real), entropy_bound=torch.zeros(rows, **real),
+            temperatures=torch.ones(rows, bucket.schedule, **real), last_step=torch.zeros(rows, **long),
+            entropy_bound=torch.zeros(rows, **real),
             seed=torch.zeros(rows, **long), stability_threshold=torch.zeros(rows, **long),
             confidence_threshold=torch.zeros(rows, **real), block_step=torch.zeros(rows, **long),
             stable_run=torch.zeros(rows, **long), finished=torch.ones(rows, **flag), done=torch.ones(rows, **flag),

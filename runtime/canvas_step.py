@@ -35,8 +35,7 @@ class CanvasGraphs(Protocol):
 def step(state: CanvasState, graphs: CanvasGraphs) -> None:
     """One denoising step of every row of `state`, in place."""
     logits = graphs.decode(state)
-    last = state.bucket.steps - 1
-    temperature = state.temperatures.gather(1, state.block_step.clamp(max=last)[:, None])[:, 0]
+    temperature = state.temperatures.gather(1, torch.minimum(state.block_step, state.last_step)[:, None])[:, 0]
     params = RenoiseParams(temperature, state.entropy_bound, state.seed, state.block_step)
     result = entropy_bound_step(logits, state.canvas, state.positions, params, finished=state.done)
     argmax = torch.where(state.done[:, None], state.argmax, result.argmax)

@@ -88,7 +88,7 @@ class UniformNoiseRun:
         self.prompt_lengths = [len(p) for p in prompts]
         total = ladder.canvas_for(max(self.prompt_lengths) + gen_length, width)
         bucket = CanvasBucket(batch=ladder.batch_for(rows), prompt=total - gen_length, width=width,
-                              blocks=gen_length // width, steps=self.policy.steps)
+                              blocks=gen_length // width, schedule=CanvasBucket.schedule_room(self.policy.steps))
         ids = torch.full((bucket.batch, bucket.prompt), self.spec.pad_id, dtype=torch.long)
         key_mask = torch.zeros(bucket.batch, bucket.prompt, dtype=torch.bool)
         key_mask[rows:, -1] = True  # a padding row: one pad token of its own
@@ -97,8 +97,10 @@ class UniformNoiseRun:
             key_mask[row, bucket.prompt - len(prompt):] = True
         self.prompt_ids, self.prompt_mask = ids.to(device), key_mask.to(device)
         policy = self.policy
-        schedule = temperature_schedule(policy.t_min, policy.t_max, policy.steps)
+        schedule = torch.ones(bucket.schedule)
+        schedule[:policy.steps] = temperature_schedule(policy.t_min, policy.t_max, policy.steps)
         params = {"temperatures": schedule.expand(rows, -1),
+                  "last_step": torch.full((rows,), policy.steps - 1, dtype=torch.long),
                   "entropy_bound": torch.full((rows,), policy.entropy_bound, dtype=torch.float32),
                   "seed": settings.seed + torch.arange(rows, dtype=torch.long),
                   "stability_threshold": torch.full((rows,), policy.stability_threshold, dtype=torch.long),

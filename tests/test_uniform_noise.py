@@ -9,6 +9,7 @@ sampler in test_entropy_bound.py.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from pathlib import Path
 
@@ -240,8 +241,12 @@ def test_compiled_and_captured_steps_give_the_eager_tokens(mode):
     model = dlmrt.load(TINY, device="cuda" if mode == "cudagraph" else "cpu")
     prompts = task_prompts(model, 2)[:5]
     settings = GenerationSettings(32, 16, EntropyBound(steps=8), seed=2, steps_per_sync=4)
-    eager = Generator(model, mode="eager").generate(prompts, settings)
-    other = Generator(model, mode=mode).generate(prompts, settings)
-    assert torch.equal(other.tokens, eager.tokens)
-    assert [r.metrics.nfe for r in other.rows] == [r.metrics.nfe for r in eager.rows]
-    assert other.metrics.compile_s > 0  # it did compile or capture, rather than fall back
+    eager, generator = Generator(model, mode="eager"), Generator(model, mode=mode)
+    expected, got = eager.generate(prompts, settings), generator.generate(prompts, settings)
+    assert torch.equal(got.tokens, expected.tokens)
+    assert [r.metrics.nfe for r in got.rows] == [r.metrics.nfe for r in expected.rows]
+    assert got.metrics.compile_s > 0  # it did compile or capture, rather than fall back
+    fewer = dataclasses.replace(settings, policy=EntropyBound(steps=4, t_max=0.9))
+    again = generator.generate(prompts, fewer)  # another schedule and step count: the same bucket and runner
+    assert torch.equal(again.tokens, eager.generate(prompts, fewer).tokens)
+    assert again.metrics.compile_s == 0
