@@ -17,6 +17,9 @@ static buffers, with the module the exporter traces (`dlmrt.export.step_graph.St
   `torch.cuda.CUDAGraph` after a warm-up on a side stream, all graphs sharing one memory pool; a
   replay reads the static buffers, which the host refills before it (block start, schedule).
 
+A uniform-noise model's steps (`dlmrt.runtime.canvas_step`, over a canvas bucket's buffers) run in
+the same three modes, one runner per bucket and K.
+
 A bucket that fails to compile or capture falls back to `eager` when the mode was the default one
 (`auto`), with one warning; a mode asked for by name fails with the error.
 """
@@ -195,20 +198,22 @@ class TorchBackend(Backend, CanvasBackend):
 
     def prepare_canvas_steps(self, state: CanvasState, steps: int) -> float:
         bucket = state.bucket
-        graphs = _TorchCanvasGraphs(self.model)
         return self._prepare((id(state), "canvas", steps), f"a batch of {bucket.batch} x {bucket.width} after "
                              f"{bucket.storage} cached", steps, lambda: self._build_canvas(state, steps),
-                             lambda: lambda: self._canvas_steps(state, steps, graphs))
+                             lambda: self._eager_canvas(state, steps))
 
     @torch.no_grad()
     def run_canvas(self, state: CanvasState, steps: int) -> None:
         self.prepare_canvas_steps(state, steps)
         self._runners[(id(state), "canvas", steps)]()
 
-    @staticmethod
-    def _canvas_steps(state: CanvasState, steps: int, graphs: _TorchCanvasGraphs) -> None:
-        for _ in range(steps):
-            canvas_step.step(state, graphs)
+    def _eager_canvas(self, state: CanvasState, steps: int) -> Callable[[], None]:
+        graphs = _TorchCanvasGraphs(self.model)
+
+        def run():
+            for _ in range(steps):
+                canvas_step.step(state, graphs)
+        return run
 
     # -- building a runner per mode -------------------------------------------------------------------
     @torch.no_grad()
@@ -247,17 +252,15 @@ class TorchBackend(Backend, CanvasBackend):
             self._pool = torch.cuda.graph_pool_handle()
         return cuda_graphs.capture(lambda: self._steps(state, kind, steps, graph), state, self.spec.device, self._pool)
 
-
     @torch.no_grad()
     def _build_canvas(self, state: CanvasState, steps: int):
-        graphs = _TorchCanvasGraphs(self.model)
         if self.mode == "eager":
-            return lambda: self._canvas_steps(state, steps, graphs)
+            return self._eager_canvas(state, steps)
         if self.mode == "cudagraph":
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
-            return cuda_graphs.capture(lambda: self._canvas_steps(state, steps, graphs), state, self.spec.device,
-                                       self._pool)
+            return cuda_graphs.capture(self._eager_canvas(state, steps), state, self.spec.device, self._pool)
+        graphs = _TorchCanvasGraphs(self.model)
         if self._compiled_canvas is None:
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(_inductor_cache()))
             self._compiled_canvas = torch.compile(canvas_step.step, fullgraph=True, dynamic=False)
