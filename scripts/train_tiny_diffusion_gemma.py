@@ -174,7 +174,9 @@ def train(args) -> dict:
     train_seconds = time.perf_counter() - started
     model.eval().requires_grad_(False)
     model.tokenizer = tokenizer
-    model.generation_config = {"pad_token_id": tasks.PAD_ID, "eos_token_id": [tasks.EOS_ID], **DECODING_DEFAULTS}
+    # The task suite's answers fit one canvas of 16, which is also what generate should ask by default.
+    model.generation_config = {"pad_token_id": tasks.PAD_ID, "eos_token_id": [tasks.EOS_ID], "gen_length": 16,
+                               "block_length": 16, **DECODING_DEFAULTS}
     return {"model": model, "parameters": parameters, "train_seconds": train_seconds, "final_loss": smoothed}
 
 
