@@ -14,6 +14,7 @@ from dlmrt import TINY_MODEL_DIR, __version__, limits
 from dlmrt.cli_errors import UserError, guarded, reports_errors, require_onnx_extra, require_trt_extra
 from dlmrt.cli_types import FLOAT32, LENGTH
 from dlmrt.bench_command import bench_command
+from dlmrt.serve_command import serve_command
 from dlmrt.engine_commands import build_command, inspect_command
 
 if TYPE_CHECKING:
@@ -54,6 +55,7 @@ def run() -> None:
 
 
 main.add_command(bench_command)
+main.add_command(serve_command)
 main.add_command(build_command)
 main.add_command(inspect_command)
 

@@ -1,0 +1,45 @@
+"""`dlmrt serve`: the OpenAI-compatible server (`dlmrt.server`) on uvicorn."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from dlmrt.cli_errors import reports_errors
+
+
+@click.command("serve")
+@click.option("--model", "model_dir", type=click.Path(path_type=Path), default=None,
+              help="A model directory, or an export for --backend ort/trt [default: the tiny model].")
+@click.option("--backend", type=click.Choice(("torch", "ort", "trt")), default="torch", show_default=True)
+@click.option("--mode", type=click.Choice(("auto", "eager", "compile", "cudagraph")), default="auto",
+              show_default=True, help="torch backend: how the steps run.")
+@click.option("--device", type=click.Choice(("auto", "cpu", "cuda")), default="auto", show_default=True)
+@click.option("--dtype", type=click.Choice(("auto", "float32", "bfloat16", "float16")), default="float32",
+              show_default=True)
+@click.option("--max-batch", type=click.IntRange(1), default=64, show_default=True)
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
+@click.option("--max-queue", type=click.IntRange(1), default=64, show_default=True,
+              help="Requests that may wait; one more gets 429.")
+@click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True), default=600.0, show_default=True,
+              help="Seconds from a request's arrival to its last token; past it, 504.")
+@click.option("--served-model-name", default=None, help="The name clients use [default: the model's].")
+@reports_errors
+def serve_command(model_dir, backend, mode, device, dtype, max_batch, host, port, max_queue, request_timeout,
+                  served_model_name):
+    """Serve the model over the OpenAI API (/v1/completions, /v1/models, /health)."""
+    import uvicorn
+    from rich.console import Console
+
+    from dlmrt.cli import open_backend
+    from dlmrt.runtime import Generator
+    from dlmrt.server import ServerLimits, create_app
+
+    console = Console(stderr=True)
+    model, built = open_backend(backend, model_dir, dtype=dtype, mode=mode, max_batch=max_batch, device=device,
+                                engines=None, precision=None, console=console)
+    app = create_app(model, Generator(built), ServerLimits(max_queue=max_queue, request_timeout_s=request_timeout),
+                     served_model_name)
+    uvicorn.run(app, host=host, port=port, log_level="warning")

@@ -1,0 +1,128 @@
+"""`dlmrt serve`'s HTTP API (dlmrt.server) on the tiny model, through FastAPI's test client."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("fastapi", reason="the server needs the 'serve' extra")
+
+from fastapi.testclient import TestClient  # noqa: E402
+
+import dlmrt  # noqa: E402
+from dlmrt.runtime import Fixed, GenerationSettings, Generator, text  # noqa: E402
+from dlmrt.server import ServerLimits, create_app  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def model():
+    return dlmrt.load()
+
+
+@pytest.fixture(scope="module")
+def client(model):
+    return TestClient(create_app(model, Generator(model, mode="eager"), ServerLimits(max_body_bytes=4096)))
+
+
+def alone(model, prompt: str, gen_length: int = 16, block: int = 8) -> list[int]:
+    """What the Generator gives the prompt alone, with the tiny model's defaults (fixed policy, blocks of 8)."""
+    ids = text.encode(model, prompt)
+    settings = GenerationSettings(gen_length, block, Fixed())
+    return Generator(model, mode="eager").generate([ids], settings).rows[0].token_ids
+
+
+def test_health_and_models(client, model):
+    assert client.get("/health").json() == {"status": "ok"}
+    listed = client.get("/v1/models").json()
+    assert listed["object"] == "list" and [m["id"] for m in listed["data"]] == [model.name]
+
+
+def test_a_completion_is_the_generators_tokens(client, model):
+    reply = client.post("/v1/completions", json={"model": model.name, "prompt": "add:762+139="}).json()
+    expected = alone(model, "add:762+139=")
+    (choice,) = reply["choices"]
+    assert choice["token_ids"] == expected and choice["text"] == text.decode(model, expected)
+    assert choice["finish_reason"] == "eos" and reply["object"] == "text_completion"
+    assert reply["usage"]["completion_tokens"] == len(expected)
+
+
+def test_max_tokens_cuts_the_completion(client, model):
+    reply = client.post("/v1/completions", json={"model": model.name, "prompt": "rev:abcdefghij=",
+                                                  "max_tokens": 3}).json()
+    (choice,) = reply["choices"]
+    assert choice["token_ids"] == alone(model, "rev:abcdefghij=", 8)[:3] and choice["finish_reason"] == "length"
+
+
+def test_streaming_sends_a_block_at_a_time_and_ends_with_done(client, model):
+    body = {"model": model.name, "prompt": "rev:abcdefghij=", "stream": True, "block_length": 4}
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(event)["choices"][0] for event in events[:-1]]
+    assert sum((c["token_ids"] for c in chunks), []) == alone(model, "rev:abcdefghij=", block=4)
+    assert len(chunks) >= 2 and all(len(c["token_ids"]) <= 4 for c in chunks)  # an event per block of 4
+    assert [c["finish_reason"] for c in chunks] == [None] * (len(chunks) - 1) + ["eos"]
+
+
+@pytest.mark.parametrize("body, status, param, message", [
+    ({"model": "tiny-llada", "prompt": "x", "temprature": 1}, 400, "temprature", "unknown field"),
+    ({"model": "tiny-llada", "prompt": ""}, 400, "prompt", "at least 1"),
+    ({"model": "tiny-llada", "prompt": "x", "max_tokens": -4}, 400, "max_tokens", "greater than or equal to 1"),
+    ({"model": "tiny-llada", "prompt": "x", "gen_length": 4096}, 400, None, "more than the model's context"),
+    ({"model": "tiny-llada", "prompt": [3, 99999]}, 400, None, "outside the vocabulary"),
+    ({"model": "gpt-4", "prompt": "x"}, 404, "model", "does not exist"),
+    ({"model": "tiny-llada", "prompt": "x", "cache": "all"}, 400, "cache", "Input should be"),
+])
+def test_bad_requests_get_one_openai_error(client, body, status, param, message):
+    response = client.post("/v1/completions", json=body)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert message in error["message"] and error["param"] == param and error["type"]
+    assert client.get("/health").status_code == 200  # still serving
+
+
+def test_malformed_json_and_oversized_bodies(client):
+    response = client.post("/v1/completions", content=b'{"model": "tiny-llada", "prompt": ',
+                           headers={"content-type": "application/json"})
+    assert response.status_code == 400 and response.json()["error"]["code"] == "invalid_json"
+    response = client.post("/v1/completions", json={"model": "tiny-llada", "prompt": "x" * 5000})
+    assert response.status_code == 413 and "more than the limit of 4096" in response.json()["error"]["message"]
+    assert client.get("/health").status_code == 200
+
+
+def test_dlmrt_serve_answers_on_loopback_and_stops_on_sigterm(tmp_path):
+    """The command itself: uvicorn on 127.0.0.1 at a free port, /health answers, SIGTERM ends it."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "dlmrt.cli", "serve", "--mode", "eager", "--port", str(port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "NO_COLOR": "1"})
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).json() == {"status": "ok"}
+                break
+            except httpx.TransportError:
+                assert server.poll() is None and time.monotonic() < deadline, server.stdout.read().decode()[-2000:]
+                time.sleep(0.2)
+        reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=30,
+                           json={"model": "tiny-llada", "prompt": "add:762+139="}).json()
+        assert reply["choices"][0]["finish_reason"] == "eos"
+        server.send_signal(signal.SIGTERM)
+        # uvicorn shuts down, then re-raises the signal it caught, as a process ended by SIGTERM reports
+        assert server.wait(timeout=30) in (0, -signal.SIGTERM)
+    finally:
+        if server.poll() is None:
+            server.kill()
