@@ -126,3 +126,11 @@ def test_dlmrt_serve_answers_on_loopback_and_stops_on_sigterm(tmp_path):
     finally:
         if server.poll() is None:
             server.kill()
+
+
+def test_a_request_past_its_time_limit_gets_504_and_frees_the_worker(model):
+    client = TestClient(create_app(model, Generator(model, mode="eager"), ServerLimits(request_timeout_s=1e-6)))
+    response = client.post("/v1/completions", json={"model": model.name, "prompt": "add:762+139="})
+    assert response.status_code == 504 and response.json()["error"]["code"] == "timeout"
+    again = client.post("/v1/completions", json={"model": model.name, "prompt": "add:762+139="})
+    assert again.status_code == 504  # the worker was released: the second request was decoded, and timed out too
