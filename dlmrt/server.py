@@ -104,6 +104,12 @@ def create_app(model, generator: Generator, server_limits: ServerLimits = Server
     async def api_error(request: Request, error: ApiError):
         return error.response()
 
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, error: Exception):
+        # one request failed, not the server: the worker is released by `turn`, and the next request runs
+        return ApiError(500, f"the request failed inside dlmrt ({type(error).__name__}: {error})",
+                        code="internal_error", kind="server_error").response()
+
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, error: RequestValidationError):
         first = error.errors()[0]

@@ -134,3 +134,15 @@ def test_a_request_past_its_time_limit_gets_504_and_frees_the_worker(model):
     assert response.status_code == 504 and response.json()["error"]["code"] == "timeout"
     again = client.post("/v1/completions", json={"model": model.name, "prompt": "add:762+139="})
     assert again.status_code == 504  # the worker was released: the second request was decoded, and timed out too
+
+
+def test_an_exception_inside_a_request_fails_it_alone(model, monkeypatch):
+    generator = Generator(model, mode="eager")
+    client = TestClient(create_app(model, generator), raise_server_exceptions=False)
+    real = generator.generate
+    monkeypatch.setattr(generator, "generate", lambda *args, **kwargs: 1 / 0)
+    failed = client.post("/v1/completions", json={"model": model.name, "prompt": "add:762+139="})
+    assert failed.status_code == 500 and failed.json()["error"]["type"] == "server_error"
+    monkeypatch.setattr(generator, "generate", real)
+    served = client.post("/v1/completions", json={"model": model.name, "prompt": "add:762+139="})
+    assert served.status_code == 200 and served.json()["choices"][0]["finish_reason"] == "eos"
