@@ -41,12 +41,12 @@ class CacheGroup:
     head_dim: int
 
 
-def empty_cache(groups: Sequence[CacheGroup], batch: int, dtype: torch.dtype,
-                device: torch.device | str = "cpu") -> LayerGroupKV:
-    """The cache before the prompt: no positions."""
-    sliding, full = (torch.zeros(g.layers, 2, batch, g.heads, 0, g.head_dim, dtype=dtype, device=device)
+def zero_cache(groups: Sequence[CacheGroup], batch: int, length: int, dtype: torch.dtype,
+               device: torch.device | str = "cpu") -> LayerGroupKV:
+    """A cache of `length` positions, all zeros (0 positions: the cache before the prompt)."""
+    sliding, full = (torch.zeros(g.layers, 2, batch, g.heads, length, g.head_dim, dtype=dtype, device=device)
                      for g in groups)
-    return LayerGroupKV(sliding, full, torch.zeros(batch, 0, dtype=torch.long, device=device))
+    return LayerGroupKV(sliding, full, torch.zeros(batch, length, dtype=torch.long, device=device))
 
 
 def encoder_inputs(ids: Tensor, positions: Tensor, key_mask: Tensor, cache: LayerGroupKV) -> dict[str, Tensor]:
@@ -133,13 +133,12 @@ class CanvasState(StaticBuffers):
         long = dict(dtype=torch.long, device=device)
         flag = dict(dtype=torch.bool, device=device)
         real = dict(dtype=torch.float32, device=device)
-        sliding, full = (torch.zeros(g.layers, 2, rows, g.heads, storage, g.head_dim, dtype=spec.dtype, device=device)
-                         for g in groups)
+        sliding, full, cache_positions = zero_cache(groups, rows, storage, spec.dtype, device)
         return cls(
             bucket=bucket, canvas=torch.zeros(rows, width, **long), argmax=torch.zeros(rows, width, **long),
             positions=torch.zeros(rows, width, **long), key_mask=torch.ones(rows, width, **flag),
             z=torch.zeros(rows, width, spec.hidden_size, dtype=spec.dtype, device=device),
-            cache_sliding=sliding, cache_full=full, cache_positions=torch.zeros(rows, storage, **long),
+            cache_sliding=sliding, cache_full=full, cache_positions=cache_positions,
             past_key_mask=torch.zeros(rows, storage, **flag), prompt_lengths=torch.zeros(rows, **long),
             temperatures=torch.ones(rows, bucket.schedule, **real), last_step=torch.zeros(rows, **long),
             entropy_bound=torch.zeros(rows, **real),
@@ -166,7 +165,8 @@ class CanvasState(StaticBuffers):
                             self.cache_positions[:, :end])
 
     def write_cache(self, cache: LayerGroupKV, start: int) -> None:
-        """Store the encoder's K/V of cache positions [start, its length) and mark them visible."""
+        """Store the encoder's K/V of cache positions [start, its length) (what the decoder may see of it
+        is `past_key_mask`'s to say)."""
         end = cache.positions.shape[1]
         self.cache_sliding[..., start:end, :].copy_(cache.sliding[..., start:, :])
         self.cache_full[..., start:end, :].copy_(cache.full[..., start:, :])

@@ -17,6 +17,7 @@ tokens, and K changes how many forwards run, never a token.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 import torch
@@ -30,6 +31,35 @@ class CanvasGraphs(Protocol):
     def decode(self, state: CanvasState) -> Tensor: ...
 
     def soft_tokens(self, scaled_logits: Tensor) -> Tensor: ...
+
+
+class BoundCanvasGraphs:
+    """Exported `decode` and `soft_tokens` graphs bound once to a bucket's buffers, for a backend that binds
+    (ONNX Runtime, TensorRT). `bind(graph, inputs, outputs)` binds a graph to buffers by name and returns
+    a callable that runs it on them; a step then copies nothing but the scaled logits into place."""
+
+    def __init__(self, state: CanvasState, vocab_size: int,
+                 bind: Callable[[str, Mapping[str, Tensor], Mapping[str, Tensor]], Callable[[], object]]):
+        rows, width = state.canvas.shape
+        device = state.canvas.device
+        # Every bound buffer is held here, so that it lives as long as the bindings that write it.
+        self.state = state
+        self.logits = torch.empty(rows, width, vocab_size, dtype=torch.float32, device=device)
+        self.scaled = torch.empty_like(self.logits)
+        self.z = torch.empty_like(state.z)
+        self.certainty = torch.empty(rows, width, dtype=torch.float32, device=device)
+        self._decode = bind("decode", state.decoder_inputs(), {"logits": self.logits})
+        self._soft_tokens = bind("soft_tokens", {"scaled_logits": self.scaled},
+                                 {"z": self.z, "certainty": self.certainty})
+
+    def decode(self, state: CanvasState) -> Tensor:
+        self._decode()
+        return self.logits
+
+    def soft_tokens(self, scaled_logits: Tensor) -> Tensor:
+        self.scaled.copy_(scaled_logits)
+        self._soft_tokens()
+        return self.z
 
 
 def step(state: CanvasState, graphs: CanvasGraphs) -> None:

@@ -31,7 +31,7 @@ from dlmrt.export.models.diffusion_gemma import LayerGroupKV
 from dlmrt.runtime import canvas_step
 from dlmrt.runtime.ort_backend import OPTIMIZATION_LEVELS, io_binding, session_options
 from dlmrt.runtime.backend import Backend, ModelSpec
-from dlmrt.runtime.canvas_state import CacheGroup, CanvasState, empty_cache, encoder_inputs
+from dlmrt.runtime.canvas_state import CacheGroup, CanvasState, encoder_inputs, zero_cache
 from dlmrt.runtime.device_state import BucketLadder, DeviceState
 from dlmrt.runtime.device_step import StepKind
 from dlmrt.runtime.uniform_noise import CanvasBackend
@@ -78,7 +78,7 @@ class OrtCanvasBackend(Backend, CanvasBackend):
         # The fixed sizes of each cache group, from the decoder's contract: [layers, 2, B, heads, P, head size].
         inputs = {c.name: c.shape for c in self.manifest.graphs["decode"].inputs}
         self._cache_shapes = {name: inputs[name] for name in ("past_sliding", "past_full")}
-        self._graphs: dict[int, _OrtCanvasGraphs] = {}  # per state
+        self._graphs: dict[int, canvas_step.BoundCanvasGraphs] = {}  # per state
         self.observe = observe
 
     # -- CanvasBackend --------------------------------------------------------------------------------
@@ -87,7 +87,7 @@ class OrtCanvasBackend(Backend, CanvasBackend):
 
     def empty_cache(self, batch: int) -> LayerGroupKV:
         """The cache before the prompt: no positions."""
-        return empty_cache(self.cache_groups(), batch, self.spec.dtype)
+        return zero_cache(self.cache_groups(), batch, 0, self.spec.dtype)
 
     def encode(self, ids: Tensor, positions: Tensor, key_mask: Tensor, cache: LayerGroupKV | None) -> LayerGroupKV:
         if cache is None:  # the prompt
@@ -97,7 +97,7 @@ class OrtCanvasBackend(Backend, CanvasBackend):
     def run_canvas(self, state: CanvasState, steps: int) -> None:
         key = id(state)
         if key not in self._graphs:
-            self._graphs[key] = _OrtCanvasGraphs(self, state)
+            self._graphs[key] = canvas_step.BoundCanvasGraphs(state, self.spec.vocab_size, self._bind)
         graphs = self._graphs[key]
         for _ in range(steps):
             canvas_step.step(state, graphs)
@@ -108,40 +108,19 @@ class OrtCanvasBackend(Backend, CanvasBackend):
                             f"loop (Generator does so), not as mask-model steps")
 
     # -- running a graph ------------------------------------------------------------------------------
+    def _bind(self, graph: str, inputs: dict[str, Tensor], outputs: dict[str, Tensor]) -> Callable[[], None]:
+        """`graph`'s session bound to static buffers (IO binding); the callable runs it on them."""
+        session, binding = self.sessions[graph], io_binding(self.sessions[graph], inputs, outputs)
+
+        def run() -> None:
+            if self.observe is not None:
+                self.observe(graph, inputs)
+            session.run_with_iobinding(binding)
+        return run
+
     def _run(self, graph: str, feeds: dict[str, Tensor]) -> list[Tensor]:
         if self.observe is not None:
             self.observe(graph, feeds)
         arrays = {name: np.ascontiguousarray(tensor.detach().cpu().numpy()) for name, tensor in feeds.items()}
         return [torch.from_numpy(array) for array in self.sessions[graph].run(None, arrays)]
-
-
-class _OrtCanvasGraphs:
-    """The decode and soft_tokens sessions bound once to a bucket's buffers (IO binding): a step
-    binds, allocates and copies nothing but the scaled logits into the soft_tokens input."""
-
-    def __init__(self, backend: OrtCanvasBackend, state: CanvasState):
-        self.state = state  # the state stays alive with its binding
-        self.observe = backend.observe
-        rows, width = state.canvas.shape
-        self.logits = torch.empty(rows, width, backend.spec.vocab_size, dtype=torch.float32)
-        self.scaled = torch.empty_like(self.logits)
-        self.z, self.certainty = torch.empty_like(state.z), torch.empty(rows, width, dtype=torch.float32)
-        self.decode_session, self.soft_session = backend.sessions["decode"], backend.sessions["soft_tokens"]
-        self.decode_inputs = state.decoder_inputs()
-        self.decode_binding = io_binding(self.decode_session, self.decode_inputs, {"logits": self.logits})
-        self.soft_inputs = {"scaled_logits": self.scaled}
-        self.soft_binding = io_binding(self.soft_session, self.soft_inputs, {"z": self.z, "certainty": self.certainty})
-
-    def decode(self, state: CanvasState) -> Tensor:
-        if self.observe is not None:
-            self.observe("decode", self.decode_inputs)
-        self.decode_session.run_with_iobinding(self.decode_binding)
-        return self.logits
-
-    def soft_tokens(self, scaled_logits: Tensor) -> Tensor:
-        self.scaled.copy_(scaled_logits)
-        if self.observe is not None:
-            self.observe("soft_tokens", self.soft_inputs)
-        self.soft_session.run_with_iobinding(self.soft_binding)
-        return self.z
 

@@ -28,6 +28,7 @@ the exported graphs with ONNX Runtime at the bound addresses (tests/fake_tensorr
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -43,7 +44,7 @@ from dlmrt.plugins import register_tensorrt_plugins
 from dlmrt.export.models.diffusion_gemma import LayerGroupKV
 from dlmrt.runtime import canvas_step, cuda_graphs, device_step
 from dlmrt.runtime.backend import Backend, ModelSpec
-from dlmrt.runtime.canvas_state import CacheGroup, CanvasState, empty_cache, encoder_inputs
+from dlmrt.runtime.canvas_state import CacheGroup, CanvasState, encoder_inputs, zero_cache
 from dlmrt.runtime.device_state import BucketLadder, DeviceState
 from dlmrt.runtime.device_step import StepKind
 from dlmrt.runtime.uniform_noise import CanvasBackend
@@ -105,7 +106,7 @@ class TrtBackend(Backend, CanvasBackend):
         self._bindings: dict[tuple, _EngineBinding] = {}
         self._current: dict[str, _EngineBinding] = {}  # per graph: the binding its context is set up for
         self._runners: dict[tuple, Callable[[], None]] = {}
-        self._canvas_graphs: dict[int, _EngineCanvasGraphs] = {}  # per canvas state
+        self._canvas_graphs: dict[int, canvas_step.BoundCanvasGraphs] = {}  # per canvas state
         self._pool = None
 
     def _binding(self, state: DeviceState, kind: StepKind) -> _EngineBinding:
@@ -157,7 +158,7 @@ class TrtBackend(Backend, CanvasBackend):
         """The encoder engine on buffers made for this call: its prefix grows block by block, so
         it runs once per block outside the steps, with the shapes of that block."""
         if cache is None:  # the prompt
-            cache = empty_cache(self.cache_groups(), ids.shape[0], self.spec.dtype, self.spec.device)
+            cache = zero_cache(self.cache_groups(), ids.shape[0], 0, self.spec.dtype, self.spec.device)
         inputs = {name: tensor.contiguous() for name, tensor in encoder_inputs(ids, positions, key_mask,
                                                                                 cache).items()}
         context = self._contexts["encode"]
@@ -175,7 +176,8 @@ class TrtBackend(Backend, CanvasBackend):
     def prepare_canvas_steps(self, state: CanvasState, steps: int) -> float:
         key = id(state)
         if key not in self._canvas_graphs:
-            self._canvas_graphs[key] = _EngineCanvasGraphs(self, state)
+            self._canvas_graphs[key] = canvas_step.BoundCanvasGraphs(state, self.spec.vocab_size,
+                                                                     functools.partial(_EngineBinding, self))
         graphs = self._canvas_graphs[key]
 
         def run_steps():
@@ -240,25 +242,3 @@ class _EngineBinding:
             raise EngineRunError(f"TensorRT failed to enqueue the {self.graph} engine (its log above says why)")
         return self.results
 
-
-class _EngineCanvasGraphs:
-    """A uniform-noise model's decoder and soft-token engines bound to one canvas bucket's buffers, as
-    `canvas_step.step` calls them."""
-
-    def __init__(self, backend: TrtBackend, state: CanvasState):
-        rows, width = state.canvas.shape
-        device = state.canvas.device
-        self.logits = torch.empty(rows, width, backend.spec.vocab_size, dtype=torch.float32, device=device)
-        self.scaled = torch.empty_like(self.logits)
-        self.z = torch.empty_like(state.z)
-        self.decoder = _EngineBinding(backend, "decode", state.decoder_inputs(), {"logits": self.logits},
-                                      self.logits)
-        self.soft = _EngineBinding(backend, "soft_tokens", {"scaled_logits": self.scaled},
-                                   {"z": self.z, "certainty": torch.empty(rows, width, device=device)}, self.z)
-
-    def decode(self, state: CanvasState) -> torch.Tensor:
-        return self.decoder()
-
-    def soft_tokens(self, scaled_logits: torch.Tensor) -> torch.Tensor:
-        self.scaled.copy_(scaled_logits)
-        return self.soft()
