@@ -208,55 +208,91 @@ class DeviceState(StaticBuffers):
                 key_mask=self.key_mask.new_zeros(rows, length), z=z, certainty=certainty)
         return self.windows[length]
 
-    # -- requests in and out --------------------------------------------------------------------
-    def load(self, layout: Layout, params: dict[str, Tensor], cfg_scale: float) -> None:
-        """Copy a request into the bucket: rows beyond the request's become inert padding rows."""
-        rows, length = layout.ids.shape
-        if rows > self.bucket.batch or length != self.bucket.canvas:
-            raise ValueError(f"a layout of {rows} x {length} does not fit the bucket {self.bucket}")
-        for name, value in (("canvas", layout.ids), ("key_mask", layout.key_mask), ("positions", layout.positions),
-                            ("prompt_lengths", layout.prompt_lengths), *params.items()):
-            if getattr(self, name) is not None:
-                getattr(self, name)[:rows].copy_(value)
-        for name in ("step", "block_step", "status", "post_steps", "edits"):
-            getattr(self, name)[:rows].zero_()
-        self._pad(rows)
+    # -- rows in and out (at block boundaries) ------------------------------------------------------
+    def reset(self, cfg_scale: float) -> None:
+        """Empty the bucket for a new batch: every row inert padding, no K/V, no forward counted."""
+        self._pad(0)
         self.status[-1].zero_()
         self.cfg_scale.fill_(cfg_scale)
-        for residual in (self.z, self.certainty):  # no residual before the first step
-            if residual is not None:
-                residual.zero_()
-        if self.cache_valid is not None:  # the storage keeps an earlier request's K/V, masked out
+        if self.cache_valid is not None:  # the storage keeps an earlier batch's K/V, masked out
             self.cache_valid.zero_()
 
-    def take_rows(self, source: DeviceState, rows: Sequence[int]) -> None:
-        """Fill this bucket with `rows` of `source` (a bucket of the same canvas), in that order."""
+    def place_row(self, slot: int, layout: Layout, origin: int, params: dict[str, float | int]) -> None:
+        """Load the one-row `layout` into row `slot`, its canvas starting at canvas index `origin`,
+        with its policy parameters; the rest of the row is padding. No residual before its first step."""
+        length = layout.length
+        if origin < 0 or origin + length > self.bucket.canvas:
+            raise ValueError(f"a row of {length} positions at {origin} does not fit the bucket {self.bucket}")
+        self._blank([slot])
+        for name, value in (("canvas", layout.ids), ("key_mask", layout.key_mask), ("positions", layout.positions)):
+            getattr(self, name)[slot, origin:origin + length].copy_(value[0])
+        self.prompt_lengths[slot] = int(layout.prompt_lengths[0])
+        for name, value in params.items():
+            if getattr(self, name) is not None:
+                getattr(self, name)[slot] = value
+        for name in ("step", "block_step", "status", "post_steps", "edits"):
+            getattr(self, name)[slot] = 0
+
+    def take_rows(self, source: DeviceState, rows: Sequence[int], shift: int = 0) -> None:
+        """Fill this bucket with `rows` of `source`, in that order, each row's canvas moved `shift`
+        positions right (left when negative); the other rows become padding. `source` may be this
+        state. What moves off the canvas must be padding (the caller places rows so)."""
         index = torch.tensor(list(rows), dtype=torch.long, device=self.canvas.device)
         count = len(rows)
-        for name in _ROW_BUFFERS:
-            if getattr(self, name) is not None:
-                getattr(self, name)[:count].copy_(getattr(source, name).index_select(0, index))
-        self.status[:count].copy_(source.status.index_select(0, index))
-        for name in ("z", "certainty", "kv"):
-            for target, origin in zip(self._model_halves(name), source._model_halves(name)):
-                target.narrow(0, 0, count).copy_(origin.index_select(0, index))
-        self._pad(count)
-        for name in ("block_start", "cfg_scale", "cache_valid"):
-            if getattr(self, name) is not None:
-                getattr(self, name).copy_(getattr(source, name))
-        self.status[-1].copy_(source.status[-1])
+        moved = {name: getattr(source, name).index_select(0, index) for name in _ROW_BUFFERS
+                 if getattr(source, name) is not None}
+        status, forwards = source.status.index_select(0, index), source.status[-1].clone()
+        halves = {name: [half.index_select(0, index) for half in source._model_halves(name)]
+                  for name in ("z", "certainty", "kv")}
+        shared = {name: getattr(source, name).clone() for name in ("block_start", "cfg_scale", "cache_valid")
+                  if getattr(source, name) is not None}
+        self._pad(0)
+        self._blank(range(count))
+        for name, value in moved.items():
+            target = getattr(self, name)[:count]
+            if name in _CANVAS_BUFFERS:
+                _shifted_copy(target, value, shift, dim=1)
+            else:
+                target.copy_(value)
+        self.status[:count].copy_(status)
+        self.status[-1].copy_(forwards)
+        for name, parts in halves.items():
+            for target, origin in zip(self._model_halves(name), parts):
+                _shifted_copy(target.narrow(0, 0, count), origin, shift, dim=4 if name == "kv" else 1)
+        for name, value in shared.items():
+            if name == "cache_valid":
+                self.cache_valid.zero_()
+                _shifted_copy(self.cache_valid, value, shift, dim=0)
+            else:
+                getattr(self, name).copy_(value)
 
-    def _pad(self, start: int) -> None:
-        """Make rows [start, batch) inert: pad tokens that see only themselves, and no mask to commit."""
-        self.canvas[start:].fill_(self.pad_id)
-        self.key_mask[start:].fill_(True)
-        self.positions[start:].copy_(torch.arange(self.bucket.canvas, device=self.canvas.device))
+    def clear_rows(self, slots: Sequence[int]) -> None:
+        """Make rows `slots` inert padding (rows that left the batch)."""
+        for slot in slots:
+            self._pad(slot, slot + 1)
+
+    def _blank(self, slots) -> None:
+        """Rows `slots` as a real row's padding: pad tokens no position sees, no residual, no K/V."""
+        for slot in slots:
+            self.canvas[slot].fill_(self.pad_id)
+            self.key_mask[slot].fill_(False)
+            self.positions[slot].zero_()
+            for name in ("z", "certainty", "kv"):
+                for half in self._model_halves(name):
+                    half.narrow(0, slot, 1).zero_()
+
+    def _pad(self, start: int, end: int | None = None) -> None:
+        """Make rows [start, end) inert: pad tokens that see only themselves, and no mask to commit."""
+        end = self.bucket.batch if end is None else end
+        self.canvas[start:end].fill_(self.pad_id)
+        self.key_mask[start:end].fill_(True)
+        self.positions[start:end].copy_(torch.arange(self.bucket.canvas, device=self.canvas.device))
         for name in (*_ZERO_IN_PADDING, "status"):
             if getattr(self, name) is not None:
-                getattr(self, name)[start:self.bucket.batch].zero_()
+                getattr(self, name)[start:end].zero_()
         for name in ("z", "certainty", "kv"):
             for half in self._model_halves(name):
-                half.narrow(0, start, self.bucket.batch - start).zero_()
+                half.narrow(0, start, end - start).zero_()
 
     def _model_halves(self, name: str) -> list[Tensor]:
         """A model-row buffer as views with rows first: one per half (conditional, unconditional)."""
@@ -270,4 +306,13 @@ class DeviceState(StaticBuffers):
 # Buffers with one entry per row on their first axis (the status has one more: the forward counter).
 _ZERO_IN_PADDING = ("prompt_lengths", "count", "threshold", "factor", "temperature", "seed", "step", "measure",
                     "schedule", "block_step", "edit_threshold", "max_post_steps", "post_steps", "edits")
-_ROW_BUFFERS = ("canvas", "key_mask", "positions", *_ZERO_IN_PADDING)
+_CANVAS_BUFFERS = ("canvas", "key_mask", "positions")  # [B, L]: a row's canvas moves with it
+_ROW_BUFFERS = (*_CANVAS_BUFFERS, *_ZERO_IN_PADDING)
+
+
+def _shifted_copy(target: Tensor, source: Tensor, shift: int, dim: int) -> None:
+    """target[..., i + shift, ...] = source[..., i, ...] along `dim`, where both exist."""
+    first = max(0, -shift)
+    count = min(source.shape[dim], target.shape[dim] - shift) - first
+    if count > 0:
+        target.narrow(dim, first + shift, count).copy_(source.narrow(dim, first, count))
