@@ -4,7 +4,7 @@
     OUT_DIR/decode.onnx        the denoising step: the bidirectional decoder over [cache; canvas]
     OUT_DIR/soft_tokens.onnx   the next step's self-conditioning from this step's scaled logits
     OUT_DIR/dlmrt.json         the manifest (`export_manifest.ExportManifest`, model.noise "uniform")
-    OUT_DIR/tokenizer.json, generation_config.json   copied from the model
+    OUT_DIR/tokenizer.json, tokenizer_config.json, generation_config.json   copied from the model (those it has)
 
 The graphs and their contract (B batch, T the ids' length, W the canvas, P the cached prefix;
 every one of them dynamic, up to the manifest's limits):

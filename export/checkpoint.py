@@ -1,7 +1,8 @@
 """Hugging Face model directories: load a denoiser from one, save one as one.
 
 A directory holds config.json, the weights as model.safetensors or as shards
-listed in model.safetensors.index.json, and optionally tokenizer.json and
+listed in model.safetensors.index.json, and optionally tokenizer.json,
+tokenizer_config.json (carried as is, for its chat template) and
 generation_config.json. No pickle, no remote code: a weight is read from a
 safetensors file or the load fails, and the model is built on the meta device
 so that no parameter is ever silently random.
@@ -28,6 +29,7 @@ from dlmrt.export.models import Denoiser, SpecialTokens
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 # Names of the mask token in public tokenizers (LLaDA, LLaDA2.x), looked up when no config gives the id.
 MASK_TOKEN_NAMES = ("<|mdm_mask|>", "<|mask|>")
 
@@ -237,9 +239,18 @@ def load(path: str | os.PathLike, *, dtype: str | torch.dtype = "float32", devic
     model.load_state_dict(state, strict=True, assign=True)
     model.requires_grad_(False).eval()
     model.tokenizer = tokenizer
+    tokenizer_config = root / TOKENIZER_CONFIG_FILE
+    # Read by `dlmrt.chat_template` when serving; only its bytes travel with the model, into saves and exports.
+    model.tokenizer_config = tokenizer_config.read_bytes() if tokenizer_config.is_file() else None
     model.generation_config = generation
     model.name = root.resolve().name
     return model
+
+
+def copy_tokenizer_config(model: Denoiser, directory: Path) -> None:
+    """Write the tokenizer_config.json `model` was loaded with, if any, into `directory`."""
+    if model.tokenizer_config is not None:
+        atomic.write_bytes(directory / TOKENIZER_CONFIG_FILE, model.tokenizer_config)
 
 
 def _require_finite(tensor: torch.Tensor, name: str, shard: Path) -> None:
@@ -303,6 +314,7 @@ def save(model: Denoiser, path: str | os.PathLike, *, max_shard_bytes: int | Non
             (staging / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
         if model.tokenizer is not None:
             model.tokenizer.save(str(staging / "tokenizer.json"))
+        copy_tokenizer_config(model, staging)
         for name, contents in (extra_files or {}).items():
             (staging / name).write_bytes(contents)
     return path

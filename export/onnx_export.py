@@ -5,8 +5,8 @@
     OUT_DIR/dlmrt.json         model, graphs and their input/output contract, special token ids,
                                dimension limits, opset, and the sha256 of every file
                                (`export_manifest.ExportManifest` reads and writes it)
-    OUT_DIR/tokenizer.json, generation_config.json   copied from the model, so the directory is
-                               all a runtime needs
+    OUT_DIR/tokenizer.json, tokenizer_config.json, generation_config.json   copied from the model
+                               (those it has), so the directory is all a runtime needs
 
 Batch, window, prefix and block lengths are dynamic up to the limits recorded in the manifest. The
 `dlmrt::ParallelUnmask` node (and, in ORL graphs, the `dlmrt::ResidualContext` node) carries
@@ -33,6 +33,7 @@ import torch
 
 from dlmrt import __version__, atomic, limits
 from dlmrt.errors import ArgumentError, UnsupportedFeatureError
+from dlmrt.export import checkpoint
 from dlmrt.export.export_manifest import ExportLimits, ExportManifest, GraphEntry, ModelFacts, TensorContract
 from dlmrt.export.models import Denoiser, SpecialTokens
 from dlmrt.export.step_graph import GRAPHS, GUIDED_GRAPHS, StepGraph, input_names, output_names
@@ -243,6 +244,7 @@ def write_export(model: Denoiser, out_dir: str | Path, graphs: Mapping[str, Call
                 on_graph(graph)
         if model.tokenizer is not None:  # so that an export directory is all a runtime needs
             atomic.write_text(staging / "tokenizer.json", model.tokenizer.to_str())
+        checkpoint.copy_tokenizer_config(model, staging)  # the chat template, for `dlmrt serve`
         atomic.write_text(staging / "generation_config.json", json.dumps(model.generation_config, indent=2))
         files = {p.name: sha256_of(p) for p in sorted(staging.iterdir()) if p.is_file()}
         ExportManifest(

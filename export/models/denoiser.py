@@ -68,6 +68,7 @@ class Denoiser(nn.Module, ABC):
         self.tokens = tokens
         self.raw_config: dict[str, Any] = {}
         self.tokenizer = None  # a tokenizers.Tokenizer when the checkpoint has tokenizer.json
+        self.tokenizer_config: bytes | None = None  # tokenizer_config.json as read (its chat template)
         self.generation_config: dict[str, Any] = {}  # generation_config.json, as read
         self.name = self.model_type
 
