@@ -1,0 +1,123 @@
+"""Continuous batching: a row's tokens are those it gets alone, whatever joins or leaves around it.
+
+The reference is each request decoded alone by `Generator.generate` (itself held to the reference
+loop in test_generator.py); the batch admits requests at different block boundaries, so rows run
+at different blocks and canvas offsets, the bucket grows and shrinks under them, and some
+requests are cancelled midway.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import replace
+
+import pytest
+
+from dlmrt.runtime import Fixed, GenerationSettings, Generator, LLaDA2, Residual, Threshold
+from dlmrt.runtime.running_batch import RunningBatch
+from dlmrt.runtime.torch_backend import TorchBackend
+
+# (tag, prompt, gen_length, seed, the block boundary it joins at, the boundary it is cancelled at)
+REQUESTS = [
+    ("a", [5, 6, 7, 8, 9], 16, 0, 0, None),
+    ("b", [10, 11], 8, 1, 1, None),
+    ("gone", [12, 13, 14], 16, 2, 1, 2),
+    ("c", [12, 13, 14, 15, 16, 17, 18, 19, 20], 12, 3, 2, None),
+    ("d", [21, 22, 23], 16, 4, 2, None),
+    ("e", [7, 7, 7, 7], 8, 5, 4, None),
+]
+
+CASES = {
+    "bidirectional": ("llada", GenerationSettings(16, 4, Threshold(0.3))),
+    "bidirectional-prefix": ("llada", GenerationSettings(16, 4, Threshold(0.3), cache="prefix")),
+    "bidirectional-dual": ("llada", GenerationSettings(16, 4, Threshold(0.3), cache="dual")),
+    "fixed-sampling": ("llada", GenerationSettings(16, 4, Fixed(), temperature=0.8)),
+    "orl": ("orl", GenerationSettings(16, 4, Residual(Threshold(0.3)))),
+    "block-causal": ("llada2", GenerationSettings(16, 4, LLaDA2(0.3, 4))),
+    "block-causal-cache": ("llada2", GenerationSettings(16, 4, LLaDA2(0.3, 4), cache="prefix")),
+    "block-causal-orl-cache": ("llada2_orl", GenerationSettings(16, 4, Threshold(0.3), cache="prefix")),
+}
+
+
+def run_staggered(backend, settings, requests=REQUESTS):
+    """Decode `requests` in one RunningBatch, each joining and cancelled at its boundary; returns the
+    finished rows, the blocks the rows were at in each block, and the buckets used."""
+    batch = RunningBatch(backend)
+    cancels = {tag: threading.Event() for tag, *_ in requests}
+    blocks_seen, buckets, boundary = [], [], 0
+    while boundary == 0 or batch.active or any(joins >= boundary for *_, joins, _ in requests):
+        for tag, prompt, gen_length, seed, joins, cancelled_at in requests:
+            if joins == boundary:
+                batch.add(tag, prompt, replace(settings, gen_length=gen_length, seed=seed), seed=seed,
+                          cancel=cancels[tag])
+            if cancelled_at == boundary:
+                cancels[tag].set()
+        batch.run_block()
+        if batch.state is not None:
+            buckets.append(batch.state.bucket)
+        blocks_seen.append(sorted(row.block for row in batch.rows))
+        boundary += 1
+    batch.close()
+    return batch.finished, blocks_seen, buckets
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_row_decodes_as_alone_whatever_joins_or_leaves(request, case):
+    model_name, settings = CASES[case]
+    backend = TorchBackend(request.getfixturevalue(model_name), mode="eager", max_batch=4)
+    finished, blocks_seen, buckets = run_staggered(backend, settings)
+    assert any(len(set(blocks)) > 1 for blocks in blocks_seen)  # rows really ran at different blocks
+    assert len({bucket.batch for bucket in buckets}) > 1 and len({bucket.canvas for bucket in buckets}) > 1
+    assert finished["gone"].finish_reason == "cancelled"
+    generator = Generator(backend)
+    for tag, prompt, gen_length, seed, _, cancelled_at in REQUESTS:
+        if cancelled_at is not None:
+            continue
+        alone = generator.generate([prompt], replace(settings, gen_length=gen_length, seed=seed))
+        assert finished[tag].tokens == alone.tokens[0].tolist(), tag
+        assert finished[tag].finish_reason == alone.rows[0].finish_reason, tag
+
+
+def test_a_cancelled_row_leaves_the_batch_at_the_next_boundary(llada):
+    backend = TorchBackend(llada, mode="eager", max_batch=4)
+    settings = GenerationSettings(16, 4, Threshold(0.3), ignore_eos=True)
+    batch = RunningBatch(backend)
+    cancel = threading.Event()
+    batch.add("stays", [5, 6, 7], settings, seed=0)
+    batch.add("goes", [8, 9], settings, seed=1, cancel=cancel)
+    batch.run_block()
+    assert {row.tag for row in batch.rows} == {"stays", "goes"}
+    cancel.set()
+    updates = batch.run_block()
+    assert {row.tag for row in batch.rows} == {"stays"} and batch.state.bucket.batch == 1
+    assert [u.finish_reason for u in updates if u.row == "goes"] == ["cancelled"]
+    while batch.active:
+        batch.run_block()
+    batch.close()
+    assert batch.finished["stays"].finish_reason == "length"
+
+
+def test_rows_wait_while_the_largest_canvas_cannot_hold_them(llada):
+    backend = TorchBackend(llada, mode="eager", max_batch=4)
+    backend.ladder = replace(backend.ladder, max_canvas=32)
+    long_prompt = list(range(5, 21))
+    batch = RunningBatch(backend)
+    batch.add("first", long_prompt, GenerationSettings(16, 4, Threshold(0.3), ignore_eos=True), seed=0)
+    batch.run_block()
+    # 16 + 4 positions before its current block and 12 after: a second 16 + 16 row does not fit beside it
+    batch.add("second", long_prompt, GenerationSettings(16, 4, Threshold(0.3), ignore_eos=True), seed=0)
+    batch.run_block()
+    assert [row.tag for row in batch.rows] == ["first"] and [row.tag for row in batch.waiting] == ["second"]
+    while batch.active:
+        batch.run_block()
+    batch.close()
+    assert batch.finished["first"].tokens == batch.finished["second"].tokens
+
+
+def test_a_row_with_other_settings_is_refused(llada):
+    batch = RunningBatch(TorchBackend(llada, mode="eager"))
+    batch.add("a", [5, 6], GenerationSettings(8, 4, Threshold(0.3)), seed=0)
+    assert batch.accepts(GenerationSettings(16, 4, Threshold(0.3), seed=9, ignore_eos=True))
+    assert not batch.accepts(GenerationSettings(8, 4, Threshold(0.5)))
+    with pytest.raises(Exception, match="settings differ"):
+        batch.add("b", [5, 6], GenerationSettings(8, 4, Threshold(0.5)), seed=0)
