@@ -29,17 +29,18 @@ from dlmrt.cli_errors import reports_errors
 @reports_errors
 def serve_command(model_dir, backend, mode, device, dtype, max_batch, host, port, max_queue, request_timeout,
                   served_model_name):
-    """Serve the model over the OpenAI API (/v1/completions, /v1/models, /health)."""
+    """Serve the model over the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /health,
+    /metrics), with continuous batching at block boundaries."""
     import uvicorn
     from rich.console import Console
 
-    from dlmrt.cli import open_backend
-    from dlmrt.runtime import Generator
+    from dlmrt.chat_template import load_chat_template
+    from dlmrt.cli import TINY_MODEL_DIR, open_backend
     from dlmrt.server import ServerLimits, create_app
 
     console = Console(stderr=True)
     model, built = open_backend(backend, model_dir, dtype=dtype, mode=mode, max_batch=max_batch, device=device,
                                 engines=None, precision=None, console=console)
-    app = create_app(model, Generator(built), ServerLimits(max_queue=max_queue, request_timeout_s=request_timeout),
-                     served_model_name)
+    app = create_app(model, built, ServerLimits(max_queue=max_queue, request_timeout_s=request_timeout),
+                     served_model_name, chat_template=load_chat_template(model_dir or TINY_MODEL_DIR))
     uvicorn.run(app, host=host, port=port, log_level="warning")

@@ -1,21 +1,22 @@
-"""The OpenAI-compatible HTTP API over a Generator (`dlmrt serve`).
+"""The OpenAI-compatible HTTP API over a backend (`dlmrt serve`).
 
-    app = create_app(model, Generator(backend), ServerLimits())
+    app = create_app(model, backend, ServerLimits(), chat_template=load_chat_template(model_dir))
     uvicorn.run(app, host="127.0.0.1", port=8000)
 
-Endpoints: `GET /health`, `GET /v1/models`, `POST /v1/completions` (JSON, or server-sent events with
-one event per committed block, ending in `data: [DONE]`). The diffusion knobs are extra top-level
-fields of a completion request (`gen_length`, `block_length`, `policy`, `threshold`, `cache`,
-`steps`); what a request leaves out comes from the model's generation_config.json, as on the
-command line.
+Endpoints: `GET /health`, `GET /v1/models`, `GET /metrics` (Prometheus), `POST /v1/completions` and
+`POST /v1/chat/completions` (JSON, or server-sent events with one event per committed block, ending
+in `data: [DONE]`). Shapes, knobs and errors: `dlmrt.api_schema`. What a request leaves out comes
+from the model's generation_config.json, as on the command line.
 
-This first step runs one request at a time: requests wait in a bounded queue (429 when it is full)
-and a single worker decodes them in turn. Continuous batching at block boundaries is the next step.
+Requests are decoded by continuous batching (`dlmrt.runtime.scheduler`): a request joins the running
+batch at the next block boundary and leaves it at the boundary after it ends, so it never waits for
+a whole batch; its tokens are those it would get alone. Chat renders the messages with the model's
+chat template (tokenizer_config.json, `dlmrt.chat_template`); a model without one answers chat with 400.
 
-Every error is one JSON object in OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`:
-malformed JSON, an unknown field, a bad value or prompt (400, naming the field), an unknown model
-(404), a body over the limit (413), a full queue (429), a request over its time limit (504). A
-client that disconnects from a stream cancels its request at the next block boundary.
+Limits and faults: a full queue answers 429; a request past its time limit answers 504 and leaves
+the batch; a client that disconnects from a stream cancels its row at its next block boundary; an
+exception inside one request answers 500 for it alone. At shutdown (SIGTERM, through uvicorn) the
+server stops listening, the requests it holds finish, then the worker stops.
 """
 
 from __future__ import annotations
@@ -23,109 +24,126 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import threading
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi.responses import Response, StreamingResponse
 
-from dlmrt import limits
+from dlmrt.api_schema import (ApiError, ChatRequest, CompletionRequest, DiffusionKnobs, chat_choice, chat_delta,
+                              completion_choice, reply_header, usage)
+from dlmrt.chat_template import ChatTemplate
 from dlmrt.errors import DlmrtError
-from dlmrt.runtime import Generator, text
+from dlmrt.runtime import text
+from dlmrt.runtime.backend import Backend
+from dlmrt.runtime.scheduler import Failed, Finished, QueueFull, Scheduler, ShuttingDown
+from dlmrt.server_metrics import ServerMetrics
 
 
 @dataclass(frozen=True)
 class ServerLimits:
-    max_queue: int = 64  # requests waiting beyond the one being decoded
+    max_queue: int = 64  # requests waiting to join the batch; one more gets 429
     request_timeout_s: float = 600.0  # from arrival to the last token
     max_body_bytes: int = 1 << 20
 
 
-class CompletionRequest(BaseModel):
-    """`POST /v1/completions`: OpenAI's fields that dlmrt honours, and the diffusion knobs."""
+class _Decoding:
+    """One request in the scheduler, seen from the event loop: its events, up to its deadline."""
 
-    model_config = ConfigDict(extra="forbid")
+    def __init__(self, scheduler: Scheduler, prompt: list[int], settings, most: int, limits: ServerLimits):
+        loop = asyncio.get_running_loop()
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.arrived, self.limits, self.most = time.monotonic(), limits, most
+        try:
+            self.ticket = scheduler.submit(prompt, settings,
+                                           lambda event: loop.call_soon_threadsafe(self.events.put_nowait, event))
+        except QueueFull as error:
+            raise ApiError(429, str(error), code="queue_full", kind="rate_limit_error") from None
+        except ShuttingDown as error:
+            raise ApiError(503, str(error), code="shutting_down", kind="server_error") from None
 
-    model: str
-    prompt: str | list[int] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1, le=limits.MAX_POSITIONS)
-    stream: bool = False
-    temperature: float | None = Field(default=None, ge=0.0, le=limits.FLOAT32_MAX)
-    seed: int | None = Field(default=None, ge=0, le=limits.MAX_SEED)
-    n: Literal[1] = 1
-    user: str | None = None
-    gen_length: int | None = Field(default=None, ge=1, le=limits.MAX_POSITIONS)
-    block_length: int | None = Field(default=None, ge=1, le=limits.MAX_POSITIONS)
-    policy: str | None = None
-    threshold: float | None = None
-    cache: Literal["none", "prefix", "dual"] | None = None
-    steps: int | None = Field(default=None, ge=1, le=limits.MAX_POSITIONS)
+    async def pieces(self) -> AsyncIterator[tuple[list[int], str | None]]:
+        """(new token ids, finish reason) per committed block, cut at the most tokens asked for."""
+        sent = 0
+        try:
+            while True:
+                event = await self._next()
+                if isinstance(event, Failed):
+                    raise _failure(event.error)
+                if isinstance(event, Finished):
+                    return
+                ids = event.token_ids[:max(0, self.most - sent)]
+                sent += len(ids)
+                cut = len(ids) < len(event.token_ids)
+                reason = "length" if cut else event.finish_reason or ("length" if sent >= self.most else None)
+                if ids or reason:
+                    yield ids, reason
+                if reason is not None:
+                    return
+        finally:
+            self.ticket.cancel()  # a row still running (cut, timed out, or its client gone) leaves the batch
+
+    async def _next(self):
+        left = self.arrived + self.limits.request_timeout_s - time.monotonic()
+        try:
+            return await asyncio.wait_for(self.events.get(), max(0.0, left))
+        except TimeoutError:
+            raise ApiError(504, f"the request took longer than its limit of {self.limits.request_timeout_s:g} s",
+                           code="timeout", kind="timeout_error") from None
 
 
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+def _failure(error: BaseException) -> ApiError:
+    if isinstance(error, DlmrtError):
+        return ApiError(400, str(error), code="invalid_value")
+    return ApiError(500, f"the request failed inside dlmrt ({type(error).__name__}: {error})", code="internal_error",
+                    kind="server_error")
 
 
-class _Cancel:
-    """The Generator's cancel token, set from the event loop when a client goes away."""
-
-    def __init__(self):
-        self.event = threading.Event()
-
-    def is_set(self) -> bool:
-        return self.event.is_set()
-
-
-def create_app(model, generator: Generator, server_limits: ServerLimits = ServerLimits(),
-               model_name: str | None = None) -> FastAPI:
-    """The API over `generator`; `model` encodes and decodes text and gives the defaults."""
+def create_app(model, backend: Backend, server_limits: ServerLimits = ServerLimits(), model_name: str | None = None,
+               chat_template: ChatTemplate | None = None) -> FastAPI:
+    """The API over `backend`; `model` encodes and decodes text and gives the defaults."""
     name = model_name or model.name
-    app = FastAPI(title="dlmrt", docs_url=None, redoc_url=None)
-    worker = asyncio.Lock()  # one request decodes at a time
-    waiting = 0
+    scheduler = Scheduler(backend, server_limits.max_queue)
+    metrics = ServerMetrics(scheduler)
     created = int(time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        await asyncio.to_thread(scheduler.stop)  # uvicorn has let the requests it holds finish
+
+    app = FastAPI(title="dlmrt", docs_url=None, redoc_url=None, lifespan=lifespan)
+    app.state.scheduler = scheduler
+
+    def answer(error: ApiError):
+        metrics.rejected.labels(error.code or str(error.status)).inc()
+        return error.response()
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, error: ApiError):
-        return error.response()
+        return answer(error)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, error: Exception):
-        # one request failed, not the server: the worker is released by `turn`, and the next request runs
-        return ApiError(500, f"the request failed inside dlmrt ({type(error).__name__}: {error})",
-                        code="internal_error", kind="server_error").response()
+        return answer(_failure(error))
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, error: RequestValidationError):
         first = error.errors()[0]
         if first.get("type") == "json_invalid":
-            return ApiError(400, f"the body is not valid JSON: {first.get('msg')}", code="invalid_json").response()
+            return answer(ApiError(400, f"the body is not valid JSON: {first.get('msg')}", code="invalid_json"))
         field = ".".join(str(part) for part in first.get("loc", ())[1:]) or None
         message = ("unknown field" if first.get("type") == "extra_forbidden" else first.get("msg", "invalid"))
-        return ApiError(400, f"{field}: {message}" if field else message, param=field,
-                        code=first.get("type")).response()
+        return answer(ApiError(400, f"{field}: {message}" if field else message, param=field, code=first.get("type")))
 
     @app.middleware("http")
     async def body_limit(request: Request, call_next):
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > server_limits.max_body_bytes:
-            return ApiError(413, f"the body has {length} bytes, more than the limit of "
-                                 f"{server_limits.max_body_bytes}", code="body_too_large").response()
+            return answer(ApiError(413, f"the body has {length} bytes, more than the limit of "
+                                        f"{server_limits.max_body_bytes}", code="body_too_large"))
         return await call_next(request)
 
     @app.get("/health")
@@ -136,130 +154,101 @@ def create_app(model, generator: Generator, server_limits: ServerLimits = Server
     async def models():
         return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "dlmrt"}]}
 
-    @contextlib.asynccontextmanager
-    async def turn():
-        """Wait in the queue for the worker, then hold it."""
-        nonlocal waiting
-        waiting += 1
-        try:
-            await worker.acquire()
-        finally:
-            waiting -= 1
-        try:
-            yield
-        finally:
-            worker.release()
+    @app.get("/metrics")
+    async def prometheus():
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
 
-    @app.post("/v1/completions")
-    async def completions(request: CompletionRequest):
+    def start(request: DiffusionKnobs, prompt: str | list[int], most: int | None) -> tuple[_Decoding, list[int]]:
         if request.model != name:
             raise ApiError(404, f"the model {request.model!r} does not exist: this server runs {name!r}",
                            param="model", code="model_not_found")
-        prompt, settings, most = _prepare(model, generator, request)
-        if waiting >= server_limits.max_queue:
-            raise ApiError(429, f"the queue is full ({server_limits.max_queue} requests wait): retry later",
-                           code="queue_full", kind="rate_limit_error")
-        reply = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                 "model": name}
-        deadline = time.monotonic() + server_limits.request_timeout_s
+        ids, settings, most = _prepare(model, backend, request, prompt, most)
+        return _Decoding(scheduler, ids, settings, most, server_limits), ids
+
+    async def finished(decoding: _Decoding) -> tuple[list[int], str]:
+        ids, reason = [], None
+        async for piece, reason in decoding.pieces():
+            ids += piece
+        metrics.latency.observe(time.monotonic() - decoding.arrived)
+        return ids, reason
+
+    async def sse(decoding: _Decoding, chunk) -> AsyncIterator[str]:
+        """Server-sent events: a chunk per block that committed tokens, then `[DONE]`; an error as its
+        own event. Closing the stream (the client went away) cancels the row at its next boundary."""
+        first = True
+        try:
+            async for ids, reason in decoding.pieces():
+                if first:
+                    metrics.first_block.observe(time.monotonic() - decoding.arrived)
+                yield f"data: {json.dumps(chunk(ids, reason, first))}\n\n"
+                first = False
+            metrics.latency.observe(time.monotonic() - decoding.arrived)
+        except ApiError as error:
+            metrics.rejected.labels(error.code or str(error.status)).inc()
+            yield f"data: {json.dumps(error.body())}\n\n"
+        yield "data: [DONE]\n\n"
+
+    @app.post("/v1/completions")
+    async def completions(request: CompletionRequest):
+        decoding, prompt = start(request, request.prompt, request.max_tokens)
+        header = reply_header("text_completion", name)
         if request.stream:
-            return StreamingResponse(_events(model, generator, turn, prompt, settings, most, reply, deadline,
-                                             _timeout(server_limits)), media_type="text/event-stream")
-        async with turn():
-            cancel = _Cancel()
-            task = asyncio.ensure_future(asyncio.to_thread(generator.generate, [prompt], settings, cancel=cancel))
-            try:
-                result = await asyncio.wait_for(asyncio.shield(task), max(0.0, deadline - time.monotonic()))
-            except TimeoutError:
-                cancel.event.set()
-                await task  # it stops at its next block boundary; the worker is free after that
-                raise _timeout(server_limits) from None
-        row = result.rows[0]
-        ids, reason = _cut(row.token_ids, row.finish_reason, most)
-        return {**reply, "choices": [_choice(model, ids, reason)],
-                "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(ids),
-                          "total_tokens": len(prompt) + len(ids)}}
+            def chunk(ids, reason, first):
+                return {**header, "choices": [completion_choice(_text(model, ids), ids, reason)]}
+            return StreamingResponse(sse(decoding, chunk), media_type="text/event-stream")
+        ids, reason = await finished(decoding)
+        return {**header, "choices": [completion_choice(_text(model, ids), ids, reason)],
+                "usage": usage(len(prompt), len(ids))}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: ChatRequest):
+        if chat_template is None:
+            raise ApiError(400, f"{name} has no chat template (no chat_template in its tokenizer_config.json): "
+                                f"use /v1/completions with a prompt", param="messages", code="no_chat_template")
+        try:
+            rendered = chat_template.render([m.model_dump(exclude_none=True) for m in request.messages])
+        except DlmrtError as error:
+            raise ApiError(400, str(error), param="messages", code="invalid_value") from None
+        decoding, prompt = start(request, rendered, request.most_tokens)
+        if request.stream:
+            header = reply_header("chat.completion.chunk", name)
+
+            def chunk(ids, reason, first):
+                return {**header, "choices": [chat_delta(_text(model, ids), reason, first)]}
+            return StreamingResponse(sse(decoding, chunk), media_type="text/event-stream")
+        ids, reason = await finished(decoding)
+        return {**reply_header("chat.completion", name), "choices": [chat_choice(_text(model, ids), reason)],
+                "usage": usage(len(prompt), len(ids))}
 
     return app
 
 
-def _prepare(model, generator: Generator, request: CompletionRequest):
+def _text(model, ids: list[int]) -> str:
+    return text.decode(model, ids) or ""
+
+
+def _prepare(model, backend: Backend, request: DiffusionKnobs, prompt: str | list[int], wanted: int | None):
     """(prompt ids, settings, the most tokens to return) for a request; every check before any compute."""
     from dlmrt.cli import settings_from_options
     from dlmrt.runtime.settings import check_request
 
-    if request.max_tokens is not None and request.gen_length is not None:
+    if wanted is not None and request.gen_length is not None:
         raise ApiError(400, "give max_tokens or gen_length, not both", param="gen_length")
+    wanted = wanted or request.gen_length
     block = request.block_length or model.generation_config.get("block_length") or model.default_block_length
-    wanted = request.max_tokens or request.gen_length
     gen_length = None if wanted is None else (-(-wanted // block) * block if block else wanted)
     try:
-        prompt = text.encode(model, request.prompt) if isinstance(request.prompt, str) else list(request.prompt)
+        ids = text.encode(model, prompt) if isinstance(prompt, str) else list(prompt)
         settings = settings_from_options(
             model, gen_length=gen_length, block_length=request.block_length, policy=request.policy,
             steps=request.steps, remasking="low_confidence", threshold=request.threshold, factor=None,
             confidence="prob", minimal_topk=1, editing_threshold=None, max_post_steps=None, preset=None,
             entropy_bound=None, cache=request.cache or "none", max_block_steps=None,
             temperature=request.temperature or 0.0, cfg_scale=0.0, seed=request.seed or 0, steps_per_sync=None)
-        check_request(generator.spec, [prompt], settings)
+        check_request(backend.spec, [ids], settings)
     except DlmrtError as error:
         raise ApiError(400, str(error), code="invalid_value") from None
-    if not prompt:
+    if not ids:
         raise ApiError(400, "prompt: the prompt is empty", param="prompt")
-    return prompt, settings, wanted or settings.gen_length
-
-
-def _cut(ids: list[int], reason: str, most: int) -> tuple[list[int], str]:
-    """At most `most` tokens (gen_length is rounded up to whole blocks); cut ones end for 'length'."""
-    return (ids[:most], "length") if len(ids) > most else (ids, reason)
-
-
-def _choice(model, ids: list[int], reason: str | None) -> dict:
-    return {"index": 0, "text": text.decode(model, ids) or "", "token_ids": ids, "finish_reason": reason,
-            "logprobs": None}
-
-
-def _timeout(server_limits: ServerLimits) -> ApiError:
-    return ApiError(504, f"the request took longer than its limit of {server_limits.request_timeout_s:g} s",
-                    code="timeout", kind="timeout_error")
-
-
-async def _events(model, generator: Generator, turn, prompt, settings, most: int, reply: dict, deadline: float,
-                  timeout: ApiError) -> AsyncIterator[str]:
-    """Server-sent events: one per block that committed tokens, then `[DONE]`. Closing the stream (the
-    client went away) or passing the deadline cancels the request at its next block boundary."""
-    loop = asyncio.get_running_loop()
-    updates: asyncio.Queue = asyncio.Queue()
-    cancel = _Cancel()
-
-    def decode() -> None:
-        try:
-            for update in generator.stream([prompt], settings, cancel=cancel):
-                loop.call_soon_threadsafe(updates.put_nowait, update)
-        finally:
-            loop.call_soon_threadsafe(updates.put_nowait, None)
-
-    sent = 0
-    async with turn():
-        task = loop.run_in_executor(None, decode)
-        try:
-            while True:
-                try:
-                    update = await asyncio.wait_for(updates.get(), max(0.0, deadline - time.monotonic()))
-                except TimeoutError:
-                    yield f"data: {json.dumps(timeout.body())}\n\n"
-                    break
-                if update is None:
-                    break
-                ids = update.token_ids[:max(0, most - sent)]
-                sent += len(ids)
-                reason = update.finish_reason or ("length" if sent >= most else None)
-                if ids or reason:
-                    yield f"data: {json.dumps({**reply, 'choices': [_choice(model, ids, reason)]})}\n\n"
-                if reason is not None:
-                    break
-            yield "data: [DONE]\n\n"
-        finally:
-            cancel.event.set()
-            await task
-
+    return ids, settings, wanted or settings.gen_length

@@ -11,7 +11,9 @@ pytest.importorskip("fastapi", reason="the server needs the 'serve' extra")
 from fastapi.testclient import TestClient  # noqa: E402
 
 import dlmrt  # noqa: E402
+from dlmrt.chat_template import load_chat_template  # noqa: E402
 from dlmrt.runtime import Fixed, GenerationSettings, Generator, text  # noqa: E402
+from dlmrt.runtime.torch_backend import TorchBackend  # noqa: E402
 from dlmrt.server import ServerLimits, create_app  # noqa: E402
 
 
@@ -22,7 +24,9 @@ def model():
 
 @pytest.fixture(scope="module")
 def client(model):
-    return TestClient(create_app(model, Generator(model, mode="eager"), ServerLimits(max_body_bytes=4096)))
+    app = create_app(model, TorchBackend(model, mode="eager"), ServerLimits(max_body_bytes=4096),
+                     chat_template=load_chat_template(dlmrt.TINY_MODEL_DIR))
+    return TestClient(app)
 
 
 def alone(model, prompt: str, gen_length: int = 16, block: int = 8) -> list[int]:
@@ -43,7 +47,7 @@ def test_a_completion_is_the_generators_tokens(client, model):
     expected = alone(model, "add:762+139=")
     (choice,) = reply["choices"]
     assert choice["token_ids"] == expected and choice["text"] == text.decode(model, expected)
-    assert choice["finish_reason"] == "eos" and reply["object"] == "text_completion"
+    assert choice["finish_reason"] == "stop" and reply["object"] == "text_completion"
     assert reply["usage"]["completion_tokens"] == len(expected)
 
 
@@ -63,7 +67,7 @@ def test_streaming_sends_a_block_at_a_time_and_ends_with_done(client, model):
     chunks = [json.loads(event)["choices"][0] for event in events[:-1]]
     assert sum((c["token_ids"] for c in chunks), []) == alone(model, "rev:abcdefghij=", block=4)
     assert len(chunks) >= 2 and all(len(c["token_ids"]) <= 4 for c in chunks)  # an event per block of 4
-    assert [c["finish_reason"] for c in chunks] == [None] * (len(chunks) - 1) + ["eos"]
+    assert [c["finish_reason"] for c in chunks] == [None] * (len(chunks) - 1) + ["stop"]
 
 
 @pytest.mark.parametrize("body, status, param, message", [
@@ -119,7 +123,7 @@ def test_dlmrt_serve_answers_on_loopback_and_stops_on_sigterm(tmp_path):
                 time.sleep(0.2)
         reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=30,
                            json={"model": "tiny-llada", "prompt": "add:762+139="}).json()
-        assert reply["choices"][0]["finish_reason"] == "eos"
+        assert reply["choices"][0]["finish_reason"] == "stop"
         server.send_signal(signal.SIGTERM)
         # uvicorn shuts down, then re-raises the signal it caught, as a process ended by SIGTERM reports
         assert server.wait(timeout=30) in (0, -signal.SIGTERM)
@@ -128,21 +132,87 @@ def test_dlmrt_serve_answers_on_loopback_and_stops_on_sigterm(tmp_path):
             server.kill()
 
 
-def test_a_request_past_its_time_limit_gets_504_and_frees_the_worker(model):
-    client = TestClient(create_app(model, Generator(model, mode="eager"), ServerLimits(request_timeout_s=1e-6)))
+def test_a_request_past_its_time_limit_gets_504_and_leaves_the_batch(model):
+    app = create_app(model, TorchBackend(model, mode="eager"), ServerLimits(request_timeout_s=1e-6))
+    client = TestClient(app)
     response = client.post("/v1/completions", json={"model": model.name, "prompt": "add:762+139="})
     assert response.status_code == 504 and response.json()["error"]["code"] == "timeout"
     again = client.post("/v1/completions", json={"model": model.name, "prompt": "add:762+139="})
-    assert again.status_code == 504  # the worker was released: the second request was decoded, and timed out too
+    assert again.status_code == 504  # the server still takes requests
+    assert wait_for(lambda: app.state.scheduler.running_rows == 0 and app.state.scheduler.waiting == 0)
 
 
 def test_an_exception_inside_a_request_fails_it_alone(model, monkeypatch):
-    generator = Generator(model, mode="eager")
-    client = TestClient(create_app(model, generator), raise_server_exceptions=False)
-    real = generator.generate
-    monkeypatch.setattr(generator, "generate", lambda *args, **kwargs: 1 / 0)
+    from dlmrt.runtime.running_batch import RunningBatch
+
+    client = TestClient(create_app(model, TorchBackend(model, mode="eager")), raise_server_exceptions=False)
+    real = RunningBatch.add
+    monkeypatch.setattr(RunningBatch, "add", lambda *args, **kwargs: 1 / 0)
     failed = client.post("/v1/completions", json={"model": model.name, "prompt": "add:762+139="})
     assert failed.status_code == 500 and failed.json()["error"]["type"] == "server_error"
-    monkeypatch.setattr(generator, "generate", real)
+    assert "ZeroDivisionError" in failed.json()["error"]["message"]
+    monkeypatch.setattr(RunningBatch, "add", real)
     served = client.post("/v1/completions", json={"model": model.name, "prompt": "add:762+139="})
-    assert served.status_code == 200 and served.json()["choices"][0]["finish_reason"] == "eos"
+    assert served.status_code == 200 and served.json()["choices"][0]["finish_reason"] == "stop"
+
+
+def wait_for(condition, timeout: float = 30.0) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+# -- chat ---------------------------------------------------------------------------------------------
+def test_chat_renders_the_template_and_answers_as_the_completion(client, model):
+    messages = [{"role": "system", "content": "ignored by the tiny template"}, {"role": "user", "content": "rev:abc="}]
+    reply = client.post("/v1/chat/completions", json={"model": model.name, "messages": messages}).json()
+    (choice,) = reply["choices"]
+    assert reply["object"] == "chat.completion" and choice["message"]["role"] == "assistant"
+    assert choice["message"]["content"] == text.decode(model, alone(model, "rev:abc="))
+    assert choice["finish_reason"] == "stop"
+
+
+def test_chat_streams_deltas(client, model):
+    body = {"model": model.name, "messages": [{"role": "user", "content": "rev:abcdefghij="}], "stream": True,
+            "block_length": 4}
+    with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        events = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(event) for event in events[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    content = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    assert content == text.decode(model, alone(model, "rev:abcdefghij=", block=4))
+
+
+def test_chat_without_a_template_is_a_400(model):
+    client = TestClient(create_app(model, TorchBackend(model, mode="eager")))  # no chat template
+    response = client.post("/v1/chat/completions", json={"model": model.name,
+                                                         "messages": [{"role": "user", "content": "x"}]})
+    assert response.status_code == 400 and response.json()["error"]["code"] == "no_chat_template"
+
+
+@pytest.mark.parametrize("messages, param", [([], "messages"), ([{"role": "user"}], "messages.0.content"),
+                                             ([{"role": "robot", "content": "x"}], "messages.0.role")])
+def test_bad_chat_messages_name_the_field(client, model, messages, param):
+    response = client.post("/v1/chat/completions", json={"model": model.name, "messages": messages})
+    assert response.status_code == 400 and response.json()["error"]["param"] == param
+
+
+# -- metrics ------------------------------------------------------------------------------------------
+def test_metrics_count_tokens_and_rejections(client, model):
+    client.post("/v1/completions", json={"model": model.name, "prompt": "add:762+139="})
+    client.post("/v1/completions", json={"model": "gpt-4", "prompt": "x"})
+    response = client.get("/metrics")
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in response.text.splitlines()
+              if line and not line.startswith("#")}
+    assert values['dlmrt_rejected_requests_total{reason="model_not_found"}'] >= 1
+    assert values["dlmrt_generated_tokens_total"] >= len(alone(model, "add:762+139="))
+    assert values["dlmrt_running_rows"] == 0 and values["dlmrt_queue_depth"] == 0
+    assert 0 < values["dlmrt_tokens_per_forward"] and values["dlmrt_request_latency_seconds_count"] >= 1

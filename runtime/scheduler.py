@@ -1,0 +1,239 @@
+"""Continuous batching for a server: requests join the running batch at block boundaries.
+
+    scheduler = Scheduler(backend, max_waiting=64)
+    ticket = scheduler.submit(prompt, settings, deliver)   # deliver(event) is called on the worker thread
+    ticket.cancel()                                         # the row leaves at its next block boundary
+    scheduler.stop()                                        # after the requests admitted have finished
+
+One worker thread owns the backend. It runs the `RunningBatch` (`dlmrt.runtime.running_batch`) one
+block at a time; at each block boundary the rows that finished leave, and waiting requests join in
+arrival order. Rows share a batch when their settings agree on everything but gen-length, seed and
+ignore_eos; a request with other settings waits for the running batch to finish (first come, first
+served: nothing is admitted past it meanwhile), then starts the next batch.
+
+A request receives its `BlockUpdate`s, then exactly one `Finished` or `Failed`. A request that cannot
+join (a bad row) fails alone; an exception inside a block fails the rows of that batch, and the
+worker goes on with the next request.
+
+Uniform-noise models (DiffusionGemma) have no RunningBatch yet: their requests run one at a time,
+through the Generator.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from dlmrt.errors import DlmrtError
+from dlmrt.runtime.backend import Backend
+from dlmrt.runtime.running_batch import BlockUpdate, FinishedRow, RunningBatch
+from dlmrt.runtime.settings import GenerationSettings
+
+TOKENS_PER_SECOND_WINDOW_S = 10.0
+
+
+class QueueFull(DlmrtError):
+    """The scheduler holds as many waiting requests as it may."""
+
+
+class ShuttingDown(DlmrtError):
+    """The scheduler is draining: it admits no new request."""
+
+
+@dataclass(frozen=True)
+class Finished:
+    row: FinishedRow
+
+
+@dataclass(frozen=True)
+class Failed:
+    error: BaseException
+
+
+Event = BlockUpdate | Finished | Failed
+
+
+@dataclass
+class Ticket:
+    """A submitted request: `cancel()` makes its row leave the batch at its next block boundary."""
+
+    prompt: Sequence[int]
+    settings: GenerationSettings
+    deliver: Callable[[Event], None]
+    submitted: float = field(default_factory=time.monotonic)
+    _cancel: threading.Event = field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        self._cancel.set()
+
+    def is_set(self) -> bool:  # the row's cancel token
+        return self._cancel.is_set()
+
+
+@dataclass
+class SchedulerStats:
+    """Totals since start, for /metrics."""
+
+    generated_tokens: int = 0  # tokens committed into completions (what the requests streamed)
+    sequence_forwards: int = 0  # forwards summed over the rows that took part
+    forwards: int = 0  # forwards of the batch
+    finished: int = 0
+    cancelled: int = 0  # rows that left the batch cancelled (their client went away, or timed out)
+    failed: int = 0
+
+
+class Scheduler:
+    def __init__(self, backend: Backend, max_waiting: int = 64):
+        self.backend, self.max_waiting = backend, max_waiting
+        self.stats = SchedulerStats()
+        self._queue: collections.deque[Ticket] = collections.deque()
+        self._batch: RunningBatch | None = None
+        self._tickets: dict[int, Ticket] = {}  # running or joining, by tag
+        self._tags = itertools.count()
+        self._recent_tokens: collections.deque[tuple[float, int]] = collections.deque()
+        self._lock = threading.Condition()
+        self._draining = self._stopped = False
+        self._worker = threading.Thread(target=self._work, name="dlmrt-scheduler", daemon=True)
+        self._worker.start()
+
+    # -- the caller's side --------------------------------------------------------------------------
+    def submit(self, prompt: Sequence[int], settings: GenerationSettings, deliver: Callable[[Event], None]) -> Ticket:
+        """Queue a checked request (`check_request`); raises QueueFull or ShuttingDown."""
+        with self._lock:
+            if self._draining:
+                raise ShuttingDown("the server is shutting down: it takes no new request")
+            if self.waiting >= self.max_waiting:
+                raise QueueFull(f"the queue is full ({self.max_waiting} requests wait): retry later")
+            ticket = Ticket(list(prompt), settings, deliver)
+            self._queue.append(ticket)
+            self._lock.notify()
+        return ticket
+
+    @property
+    def waiting(self) -> int:
+        """Requests not decoding yet: queued, or joining at the next block boundary."""
+        joining = len(self._batch.waiting) if self._batch is not None else 0
+        return len(self._queue) + joining
+
+    @property
+    def running_rows(self) -> int:
+        return len(self._batch.rows) if self._batch is not None else 0
+
+    def tokens_per_second(self) -> float:
+        """Committed tokens per second over the last few seconds."""
+        now = time.monotonic()
+        with self._lock:
+            while self._recent_tokens and self._recent_tokens[0][0] < now - TOKENS_PER_SECOND_WINDOW_S:
+                self._recent_tokens.popleft()
+            return sum(count for _, count in self._recent_tokens) / TOKENS_PER_SECOND_WINDOW_S
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Admit nothing more, let the requests already submitted finish, then end the worker."""
+        with self._lock:
+            self._draining = True
+            self._lock.notify()
+        self._worker.join(timeout)
+
+    # -- the worker ---------------------------------------------------------------------------------
+    def _work(self) -> None:
+        while True:
+            with self._lock:
+                while not self._queue and not self._busy() and not self._draining:
+                    self._lock.wait()
+                if not self._queue and not self._busy():
+                    return  # draining, and nothing is left
+                if self.backend.spec.noise == "uniform":
+                    alone = self._queue.popleft()
+                else:
+                    alone = None
+                    self._admit()
+            if alone is not None:
+                self._run_alone(alone)
+            elif self._busy():
+                self._run_block()
+
+    def _busy(self) -> bool:
+        return self._batch is not None and self._batch.active
+
+    def _admit(self) -> None:
+        """Move queued requests into the batch (under the lock), in order, while they fit its settings."""
+        if self._batch is not None and not self._batch.active:
+            self._batch.close()
+            self._batch = None
+        while self._queue:
+            ticket = self._queue[0]
+            if self._batch is None:
+                self._batch = RunningBatch(self.backend)
+            if not self._batch.accepts(ticket.settings):
+                return
+            self._queue.popleft()
+            if ticket.is_set():  # cancelled while it waited: its caller has gone
+                continue
+            tag = next(self._tags)
+            try:
+                self._batch.add(tag, ticket.prompt, ticket.settings, seed=ticket.settings.seed, cancel=ticket)
+            except Exception as error:  # a row that cannot join fails alone
+                self._fail(ticket, error)
+                continue
+            self._tickets[tag] = ticket
+
+    def _run_block(self) -> None:
+        batch = self._batch
+        worked = batch.worked
+        try:
+            updates = batch.run_block()
+        except Exception as error:
+            for tag in [row.tag for row in (*batch.rows, *batch.waiting)]:
+                self._fail(self._tickets.pop(tag), error)
+            with self._lock:
+                batch.close()
+                self._batch = None
+            return
+        rows_ran = len(batch.rows) + sum(1 for update in updates if update.finish_reason is not None)
+        self._count(updates, batch.worked - worked, (batch.worked - worked) * rows_ran)
+        for update in updates:
+            _deliver(self._tickets[update.row], update)
+        for tag in [tag for tag in batch.finished if tag in self._tickets]:
+            row = batch.finished.pop(tag)
+            _deliver(self._tickets.pop(tag), Finished(row))
+            self.stats.finished += 1
+            self.stats.cancelled += row.finish_reason == "cancelled"
+
+    def _run_alone(self, ticket: Ticket) -> None:
+        from dlmrt.runtime.generator import Generator
+
+        try:
+            stream = Generator(self.backend).stream([ticket.prompt], ticket.settings, cancel=ticket)
+            for update in stream:
+                self._count([update], 0, 0)
+                _deliver(ticket, update)
+            row = stream.result.rows[0]
+            self._count([], row.metrics.nfe, row.metrics.sequence_forwards)
+            _deliver(ticket, Finished(FinishedRow(stream.result.tokens[0].tolist(), row.finish_reason, row.metrics)))
+            self.stats.finished += 1
+        except Exception as error:
+            self._fail(ticket, error)
+
+    def _count(self, updates: list[BlockUpdate], forwards: int, sequence_forwards: int) -> None:
+        tokens = sum(len(update.token_ids) for update in updates)
+        with self._lock:
+            self.stats.generated_tokens += tokens
+            self.stats.forwards += forwards
+            self.stats.sequence_forwards += sequence_forwards
+            self._recent_tokens.append((time.monotonic(), tokens))
+
+    def _fail(self, ticket: Ticket, error: BaseException) -> None:
+        self.stats.failed += 1
+        _deliver(ticket, Failed(error))
+
+
+def _deliver(ticket: Ticket, event: Event) -> None:
+    """Hand `event` to the request; a request whose listener has gone (its event loop closed) is cancelled."""
+    try:
+        ticket.deliver(event)
+    except Exception:
+        ticket.cancel()
