@@ -14,7 +14,8 @@ from dlmrt.cli_errors import reports_errors
               help="A model directory, or an export for --backend ort/trt [default: the tiny model].")
 @click.option("--backend", type=click.Choice(("torch", "ort", "trt")), default="torch", show_default=True)
 @click.option("--mode", type=click.Choice(("auto", "eager", "compile", "cudagraph")), default="auto",
-              show_default=True, help="torch backend: how the steps run.")
+              show_default=True, help="torch backend: how the steps run. auto: CUDA graphs on a GPU, eager on a CPU "
+                                      "(compile stalls the running batch while each new batch shape compiles).")
 @click.option("--device", type=click.Choice(("auto", "cpu", "cuda")), default="auto", show_default=True)
 @click.option("--dtype", type=click.Choice(("auto", "float32", "bfloat16", "float16")), default="float32",
               show_default=True)
@@ -35,10 +36,14 @@ def serve_command(model_dir, backend, mode, device, dtype, max_batch, host, port
     from rich.console import Console
 
     from dlmrt.chat_template import load_chat_template
-    from dlmrt.cli import TINY_MODEL_DIR, open_backend
+    from dlmrt.cli import TINY_MODEL_DIR, open_backend, resolve_device
     from dlmrt.server import ServerLimits, create_app
 
     console = Console(stderr=True)
+    if backend == "torch" and mode == "auto" and resolve_device(backend, device) == "cpu":
+        # A continuous batch takes many shapes (rows x canvas); on a CPU each one compiles for tens of seconds
+        # while every running request waits, so a server runs eager there unless asked otherwise.
+        mode = "eager"
     model, built = open_backend(backend, model_dir, dtype=dtype, mode=mode, max_batch=max_batch, device=device,
                                 engines=None, precision=None, console=console)
     app = create_app(model, built, ServerLimits(max_queue=max_queue, request_timeout_s=request_timeout),

@@ -12,8 +12,10 @@ LLaDA2.x's generate does. In a batch, each row is shifted by a multiple of the
 block length so that every row's first generated block is the same canvas
 block; the canvas positions a row does not use are padding.
 
-Positions count each row's real tokens from 0, so a row decodes as it would alone. A canvas longer
-than the batch needs (a shape bucket's) gets extra left padding, which changes nothing a row computes.
+Positions count each row's real tokens from 0, so a row decodes as it would alone. A running batch
+(`dlmrt.runtime.running_batch`) places each row's own layout on its bucket's canvas, so that every
+row's current block starts at one column; the canvas around a row is padding, which changes nothing
+the row computes.
 """
 
 from __future__ import annotations
@@ -33,13 +35,8 @@ class Layout:
     prompt_lengths: Tensor  # [B]
     output_start: Tensor  # [B] canvas index of each row's first generated token
     decode_end: Tensor  # [B] canvas index after the last position the row denoises
-    first_block_start: int
-    num_blocks: int
+    first_block_start: int  # canvas index of the first generated block
     block_length: int
-
-    def block(self, index: int) -> tuple[int, int]:
-        start = self.first_block_start + index * self.block_length
-        return start, start + self.block_length
 
     @property
     def length(self) -> int:
@@ -70,17 +67,11 @@ def canvas_length(prompts: Sequence[Sequence[int]], gen_length: int, block_lengt
 
 
 def build(prompts: Sequence[Sequence[int]], gen_length: int, block_length: int, *, block_causal: bool,
-          pad_id: int, mask_id: int, canvas: int | None = None) -> Layout:
-    """The layout of a batch, on a canvas of `canvas` positions (default: what it needs; for a
-    block-causal model, the extra padding must be whole blocks)."""
+          pad_id: int, mask_id: int) -> Layout:
+    """The layout of a batch on the canvas it needs (`canvas_length`)."""
     lengths = [len(p) for p in prompts]
-    needed = canvas_length(prompts, gen_length, block_length, block_causal=block_causal)
-    extra = 0 if canvas is None else canvas - needed
-    if extra < 0 or (block_causal and extra % block_length):
-        raise ValueError(f"a canvas of {canvas} cannot hold this batch ({needed} positions, padded by whole "
-                         f"blocks of {block_length})")
     if block_causal:
-        first_block = max(n // block_length for n in lengths) + extra // block_length
+        first_block = max(n // block_length for n in lengths)
         blocks = [-(-(n % block_length + gen_length) // block_length) for n in lengths]
         num_blocks = max(blocks)
         shifts = [(first_block - n // block_length) * block_length for n in lengths]
@@ -91,9 +82,9 @@ def build(prompts: Sequence[Sequence[int]], gen_length: int, block_length: int, 
         decode_end = [first_block_start + nb * block_length for nb in blocks]
         length = first_block_start + num_blocks * block_length
     else:
-        width = max(lengths) + extra
+        width = max(lengths)
         rows = [(width - len(prompt), prompt, gen_length) for prompt in prompts]
-        first_block_start, num_blocks = width, gen_length // block_length
+        first_block_start = width
         output_start = [width] * len(prompts)
         length = width + gen_length
         decode_end = [length] * len(prompts)
@@ -103,4 +94,4 @@ def build(prompts: Sequence[Sequence[int]], gen_length: int, block_length: int, 
                   prompt_lengths=torch.tensor(lengths, dtype=torch.long),
                   output_start=torch.tensor(output_start, dtype=torch.long),
                   decode_end=torch.tensor(decode_end, dtype=torch.long),
-                  first_block_start=first_block_start, num_blocks=num_blocks, block_length=block_length)
+                  first_block_start=first_block_start, block_length=block_length)
