@@ -224,6 +224,24 @@ def create_app(model, backend: Backend, server_limits: ServerLimits = ServerLimi
     return app
 
 
+# What a settings or prompt check names (the CLI's spelling), and the request field it is about
+_FIELDS_NAMED = (("prompt", "prompt"), ("gen-length", "gen_length"), ("block-length", "block_length"),
+                 ("policy", "policy"), ("threshold", "threshold"), ("steps", "steps"), ("cache", "cache"),
+                 ("temperature", "temperature"), ("seed", "seed"))
+
+
+def _param_named(message: str, request: DiffusionKnobs) -> str | None:
+    """The request field a check's message is about (None when it names none)."""
+    for words, field in _FIELDS_NAMED:
+        if message.startswith(words) or f" {words}" in message:
+            if field == "prompt" and isinstance(request, ChatRequest):
+                return "messages"
+            if field == "gen_length" and request.gen_length is None:
+                return "max_tokens" if request.max_tokens is not None else None
+            return field
+    return None
+
+
 def _text(model, ids: list[int]) -> str:
     return text.decode(model, ids) or ""
 
@@ -248,7 +266,7 @@ def _prepare(model, backend: Backend, request: DiffusionKnobs, prompt: str | lis
             temperature=request.temperature or 0.0, cfg_scale=0.0, seed=request.seed or 0, steps_per_sync=None)
         check_request(backend.spec, [ids], settings)
     except DlmrtError as error:
-        raise ApiError(400, str(error), code="invalid_value") from None
+        raise ApiError(400, str(error), param=_param_named(str(error), request), code="invalid_value") from None
     if not ids:
         raise ApiError(400, "prompt: the prompt is empty", param="prompt")
     return ids, settings, wanted or settings.gen_length

@@ -116,20 +116,24 @@ class Scheduler:
     @property
     def waiting(self) -> int:
         """Requests not decoding yet: queued, or joining at the next block boundary."""
-        joining = len(self._batch.waiting) if self._batch is not None else 0
-        return len(self._queue) + joining
+        batch = self._batch  # the worker may replace it meanwhile
+        return len(self._queue) + (len(batch.waiting) if batch is not None else 0)
 
     @property
     def running_rows(self) -> int:
-        return len(self._batch.rows) if self._batch is not None else 0
+        batch = self._batch
+        return len(batch.rows) if batch is not None else 0
 
     def tokens_per_second(self) -> float:
         """Committed tokens per second over the last few seconds."""
-        now = time.monotonic()
         with self._lock:
-            while self._recent_tokens and self._recent_tokens[0][0] < now - TOKENS_PER_SECOND_WINDOW_S:
-                self._recent_tokens.popleft()
+            self._forget_old_tokens()
             return sum(count for _, count in self._recent_tokens) / TOKENS_PER_SECOND_WINDOW_S
+
+    def _forget_old_tokens(self) -> None:
+        now = time.monotonic()
+        while self._recent_tokens and self._recent_tokens[0][0] < now - TOKENS_PER_SECOND_WINDOW_S:
+            self._recent_tokens.popleft()
 
     def stop(self, timeout: float | None = None) -> None:
         """Admit nothing more, let the requests already submitted finish, then end the worker."""
@@ -225,6 +229,7 @@ class Scheduler:
             self.stats.forwards += forwards
             self.stats.sequence_forwards += sequence_forwards
             self._recent_tokens.append((time.monotonic(), tokens))
+            self._forget_old_tokens()
 
     def _fail(self, ticket: Ticket, error: BaseException) -> None:
         self.stats.failed += 1

@@ -8,10 +8,12 @@ requests are cancelled midway.
 
 from __future__ import annotations
 
+import copy
 import threading
 from dataclasses import replace
 
 import pytest
+import torch
 
 from dlmrt.runtime import Fixed, GenerationSettings, Generator, LLaDA2, Residual, Threshold
 from dlmrt.runtime.running_batch import RunningBatch
@@ -76,6 +78,21 @@ def test_a_row_decodes_as_alone_whatever_joins_or_leaves(request, case):
         alone = generator.generate([prompt], replace(settings, gen_length=gen_length, seed=seed))
         assert finished[tag].tokens == alone.tokens[0].tolist(), tag
         assert finished[tag].finish_reason == alone.rows[0].finish_reason, tag
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("case", ["bidirectional-dual", "orl", "block-causal-cache"])
+def test_a_row_decodes_as_alone_under_cuda_graphs(request, case):
+    model_name, settings = CASES[case]
+    model = copy.deepcopy(request.getfixturevalue(model_name)).to("cuda")
+    backend = TorchBackend(model, mode="cudagraph", max_batch=4)
+    finished, _, _ = run_staggered(backend, replace(settings, steps_per_sync=2))
+    generator = Generator(TorchBackend(model, mode="eager", max_batch=4))
+    for tag, prompt, gen_length, seed, _, cancelled_at in REQUESTS:
+        if cancelled_at is None:
+            alone = generator.generate([prompt], replace(settings, gen_length=gen_length, seed=seed))
+            assert finished[tag].tokens == alone.tokens[0].tolist(), tag
 
 
 def test_a_cancelled_row_leaves_the_batch_at_the_next_boundary(llada):

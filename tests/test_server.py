@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 
 import dlmrt  # noqa: E402
 from dlmrt.chat_template import load_chat_template  # noqa: E402
-from dlmrt.runtime import Fixed, GenerationSettings, Generator, text  # noqa: E402
+from dlmrt.runtime import EntropyBound, Fixed, GenerationSettings, Generator, text  # noqa: E402
 from dlmrt.runtime.torch_backend import TorchBackend  # noqa: E402
 from dlmrt.server import ServerLimits, create_app  # noqa: E402
 
@@ -74,8 +74,10 @@ def test_streaming_sends_a_block_at_a_time_and_ends_with_done(client, model):
     ({"model": "tiny-llada", "prompt": "x", "temprature": 1}, 400, "temprature", "unknown field"),
     ({"model": "tiny-llada", "prompt": ""}, 400, "prompt", "at least 1"),
     ({"model": "tiny-llada", "prompt": "x", "max_tokens": -4}, 400, "max_tokens", "greater than or equal to 1"),
-    ({"model": "tiny-llada", "prompt": "x", "gen_length": 4096}, 400, None, "more than the model's context"),
-    ({"model": "tiny-llada", "prompt": [3, 99999]}, 400, None, "outside the vocabulary"),
+    ({"model": "tiny-llada", "prompt": "x", "gen_length": 4096}, 400, "prompt", "more than the model's context"),
+    ({"model": "tiny-llada", "prompt": "1" * 60}, 400, "prompt", "more than the model's context"),
+    ({"model": "tiny-llada", "prompt": [3, 99999]}, 400, "prompt", "outside the vocabulary"),
+    ({"model": "tiny-llada", "prompt": "x", "policy": "greedy"}, 400, "policy", "unknown policy"),
     ({"model": "gpt-4", "prompt": "x"}, 404, "model", "does not exist"),
     ({"model": "tiny-llada", "prompt": "x", "cache": "all"}, 400, "cache", "Input should be"),
 ])
@@ -216,3 +218,20 @@ def test_metrics_count_tokens_and_rejections(client, model):
     assert values["dlmrt_generated_tokens_total"] >= len(alone(model, "add:762+139="))
     assert values["dlmrt_running_rows"] == 0 and values["dlmrt_queue_depth"] == 0
     assert 0 < values["dlmrt_tokens_per_forward"] and values["dlmrt_request_latency_seconds_count"] >= 1
+
+
+def test_a_uniform_noise_model_is_served_one_request_at_a_time():
+    gemma = dlmrt.load(dlmrt.TINY_MODEL_DIR.parent / "tiny-diffusion-gemma")
+    client = TestClient(create_app(gemma, TorchBackend(gemma, mode="eager")))
+    reply = client.post("/v1/completions", json={"model": gemma.name, "prompt": "sort:3142="})
+    assert reply.status_code == 200, reply.text
+    from dlmrt.cli import settings_from_options
+
+    settings = settings_from_options(  # the model's defaults, as the server takes them
+        gemma, gen_length=None, block_length=None, policy=None, steps=None, remasking="low_confidence",
+        threshold=None, factor=None, confidence="prob", minimal_topk=1, editing_threshold=None, max_post_steps=None,
+        preset=None, entropy_bound=None, cache="none", max_block_steps=None, temperature=0.0, cfg_scale=0.0, seed=0,
+        steps_per_sync=None)
+    assert isinstance(settings.policy, EntropyBound)
+    expected = Generator(gemma, mode="eager").generate([text.encode(gemma, "sort:3142=")], settings).rows[0]
+    assert reply.json()["choices"][0]["token_ids"] == expected.token_ids

@@ -1,0 +1,95 @@
+"""scripts/load_test.py against a real `dlmrt serve` on loopback, and its refusal of other hosts."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).parents[1] / "scripts" / "load_test.py"
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("load_test", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = script  # its dataclasses look their module up
+    spec.loader.exec_module(script)
+    return script
+
+
+def run_script(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "NO_COLOR": "1"})
+
+
+@pytest.fixture(scope="module")
+def server_url():
+    """`dlmrt serve` (tiny model, eager) on 127.0.0.1 at a free port, once /health answers."""
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi", reason="the server needs the 'serve' extra")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen([sys.executable, "-m", "dlmrt.cli", "serve", "--mode", "eager", "--port", str(port),
+                               "--max-batch", "8"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              env={**os.environ, "NO_COLOR": "1"})
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                httpx.get(f"{url}/health", timeout=1).raise_for_status()
+                break
+            except httpx.TransportError:
+                assert server.poll() is None and time.monotonic() < deadline, server.stdout.read().decode()[-2000:]
+                time.sleep(0.2)
+        yield url
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+@pytest.mark.slow
+def test_a_mixed_load_is_fully_accounted_for(server_url, tmp_path):
+    report_path = tmp_path / "out.json"
+    done = run_script("--url", server_url, "--requests", "24", "--concurrency", "4", "--sequential", "4",
+                      "--cancel-fraction", "0.1", "--seed", "3", "--time-limit", "60", "--json", str(report_path))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "answered + cancelled + refused + lost" in done.stdout
+    report = json.loads(report_path.read_text())
+    concurrent, sequential = report["concurrent"], report["sequential"]
+    assert concurrent["lost"] == 0 and sequential["lost"] == 0
+    assert concurrent["answered"] + concurrent["cancelled"] + concurrent["refused"] == 24
+    assert sequential["answered"] + sequential["cancelled"] + sequential["refused"] == 4
+    assert concurrent["cancelled"] == 2  # round(24 * 0.1) streams are closed after their first event
+    assert sum(concurrent["refused_by_reason"].values()) == concurrent["refused"]
+    for phase in (concurrent, sequential):
+        assert phase["latency_s"]["p50"] <= phase["latency_s"]["p99"]
+        assert phase["completion_tokens_per_s"] > 0 and phase["requests_per_s"] > 0
+    assert concurrent["first_block_s"]["p50"] <= concurrent["first_block_s"]["p99"]
+    assert report["throughput_ratio"]["completion_tokens_per_s"] > 0 and report["model"] == "tiny-llada"
+
+
+@pytest.mark.parametrize("url", ["http://10.1.2.3:8000", "http://example.com", "http://0.0.0.0:8000"])
+def test_a_host_that_is_not_loopback_is_refused(url):
+    done = run_script("--url", url, "--requests", "1", timeout=60)
+    assert done.returncode != 0 and "is not loopback" in done.stderr and "--url" in done.stderr
+
+
+def test_the_plan_has_exact_shares_and_cancels_only_streams():
+    script = load_script()
+    plan = script.plan_requests(40, stream_fraction=0.5, cancel_fraction=0.1, seed=7)
+    assert sum(r.stream for r in plan) == 20 and sum(r.cancel for r in plan) == 4
+    assert all(r.stream for r in plan if r.cancel) and all(r.prompt.endswith("=") for r in plan)
+    assert plan == script.plan_requests(40, stream_fraction=0.5, cancel_fraction=0.1, seed=7)
