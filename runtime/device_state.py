@@ -218,8 +218,9 @@ class DeviceState(StaticBuffers):
             self.cache_valid.zero_()
 
     def place_row(self, slot: int, layout: Layout, origin: int, params: dict[str, float | int]) -> None:
-        """Load the one-row `layout` into row `slot`, its canvas starting at canvas index `origin`,
-        with its policy parameters; the rest of the row is padding. No residual before its first step."""
+        """Load the one-row `layout` into row `slot` (a padding row: a free slot), its canvas starting at
+        canvas index `origin`, with its policy parameters; the rest of the row is padding. No residual
+        before its first step."""
         length = layout.length
         if origin < 0 or origin + length > self.bucket.canvas:
             raise ValueError(f"a row of {length} positions at {origin} does not fit the bucket {self.bucket}")
@@ -272,14 +273,12 @@ class DeviceState(StaticBuffers):
             self._pad(slot, slot + 1)
 
     def _blank(self, slots) -> None:
-        """Rows `slots` as a real row's padding: pad tokens no position sees, no residual, no K/V."""
+        """Rows `slots` as a real row's padding: pad tokens no position sees. Their residual and K/V
+        are already zero: every free slot is a padding row (`_pad`)."""
         for slot in slots:
             self.canvas[slot].fill_(self.pad_id)
             self.key_mask[slot].fill_(False)
             self.positions[slot].zero_()
-            for name in ("z", "certainty", "kv"):
-                for half in self._model_halves(name):
-                    half.narrow(0, slot, 1).zero_()
 
     def _pad(self, start: int, end: int | None = None) -> None:
         """Make rows [start, end) inert: pad tokens that see only themselves, and no mask to commit."""

@@ -181,7 +181,7 @@ class RunningBatch:
         left, right = self._extent(every)
         ladder, state = self.backend.ladder, self.state
         batch = ladder.batch_for(len(every))
-        if (state is None or state.bucket.batch != batch or self.column < left
+        if (state is None or not self.rows or state.bucket.batch != batch or self.column < left
                 or state.bucket.canvas - self.column < right):
             self._move(batch, left, right)
         free = sorted(set(range(self.state.bucket.batch)) - {row.slot for row in self.rows})
@@ -230,10 +230,13 @@ class RunningBatch:
         masked = (state.canvas[:, self.column:self.column + block] == self.spec.mask_id).sum(-1)
         budgets = {row.slot: row.settings.block_steps() for row in self.rows}
         budget = max(budgets.values())
-        schedule = torch.full((state.bucket.batch, budget), block, dtype=torch.long, device=masked.device)
-        for steps in set(budgets.values()):
-            slots = torch.tensor([slot for slot, b in budgets.items() if b == steps], device=masked.device)
-            schedule[slots, :steps] = key.policy.schedule(masked[slots], block, steps)
+        if len(set(budgets.values())) == 1:
+            schedule = key.policy.schedule(masked, block, budget)
+        else:  # rows whose gen-lengths give them other budgets (the fixed policy's steps)
+            schedule = torch.full((state.bucket.batch, budget), block, dtype=torch.long, device=masked.device)
+            for steps in set(budgets.values()):
+                slots = torch.tensor([slot for slot, b in budgets.items() if b == steps], device=masked.device)
+                schedule[slots, :steps] = key.policy.schedule(masked[slots], block, steps)
         device_step.start_block(state, self.column, schedule)
         return budget
 
@@ -313,8 +316,9 @@ class RunningBatch:
             row.block_position += self.key.block_length
         self.column = block_end
         self.rows = keep
-        self.state.clear_rows(leaving)
-        self._shrink()
+        if keep:  # an empty batch is reset when rows next join
+            self.state.clear_rows(leaving)
+            self._shrink()
         return updates
 
     def _read_outputs(self, ends: dict[int, int]) -> dict[int, list[int]]:

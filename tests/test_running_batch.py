@@ -138,3 +138,22 @@ def test_a_row_with_other_settings_is_refused(llada):
     assert not batch.accepts(GenerationSettings(8, 4, Threshold(0.5)))
     with pytest.raises(Exception, match="settings differ"):
         batch.add("b", [5, 6], GenerationSettings(8, 4, Threshold(0.5)), seed=0)
+
+
+def test_a_batch_that_emptied_takes_new_rows_as_fresh(orl):
+    backend = TorchBackend(orl, mode="eager", max_batch=4)
+    settings = GenerationSettings(8, 4, Residual(Threshold(0.3)), ignore_eos=True)
+    batch, cancel = RunningBatch(backend), threading.Event()
+    batch.add("a", [5, 6, 7], replace(settings, gen_length=16), seed=0, cancel=cancel)
+    batch.run_block()
+    assert batch.state.z.abs().sum() > 0  # a's residual
+    cancel.set()
+    batch.run_block()
+    assert not batch.rows and batch.finished["a"].finish_reason == "cancelled"
+    batch.add("c", [12, 13, 14], settings, seed=2)  # a's canvas could still hold c where it is
+    batch._place_waiting()
+    assert batch.state.z.abs().sum() == 0 and batch.state.certainty.abs().sum() == 0
+    while batch.active:
+        batch.run_block()
+    alone = Generator(backend).generate([[12, 13, 14]], replace(settings, seed=2))
+    assert batch.finished["c"].tokens == alone.tokens[0].tolist()
