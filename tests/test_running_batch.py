@@ -155,5 +155,6 @@ def test_a_batch_that_emptied_takes_new_rows_as_fresh(orl):
     assert batch.state.z.abs().sum() == 0 and batch.state.certainty.abs().sum() == 0
     while batch.active:
         batch.run_block()
+    batch.close()
     alone = Generator(backend).generate([[12, 13, 14]], replace(settings, seed=2))
     assert batch.finished["c"].tokens == alone.tokens[0].tolist()
