@@ -117,8 +117,11 @@ def create_app(model, backend: Backend, server_limits: ServerLimits = ServerLimi
     app = FastAPI(title="dlmrt", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.scheduler = scheduler
 
-    def answer(error: ApiError):
+    def count(error: ApiError) -> None:
         metrics.rejected.labels(error.code or str(error.status)).inc()
+
+    def answer(error: ApiError):
+        count(error)
         return error.response()
 
     @app.exception_handler(ApiError)
@@ -185,7 +188,7 @@ def create_app(model, backend: Backend, server_limits: ServerLimits = ServerLimi
                 first = False
             metrics.latency.observe(time.monotonic() - decoding.arrived)
         except ApiError as error:
-            metrics.rejected.labels(error.code or str(error.status)).inc()
+            count(error)
             yield f"data: {json.dumps(error.body())}\n\n"
         yield "data: [DONE]\n\n"
 

@@ -288,21 +288,20 @@ class RunningBatch:
     # -- rows out -----------------------------------------------------------------------------------
     def _end_block(self, every_row_cancelled: bool) -> list[BlockUpdate]:
         block_end = self.column + self.key.block_length
-        ends = {id(row): (self.state.bucket.canvas if every_row_cancelled or row.cancelled else block_end)
-                for row in self.rows}
-        outputs = self._read_outputs(ends)
+        cancelled = [every_row_cancelled or row.cancelled for row in self.rows]  # read once: another thread sets it
+        outputs = self._read_outputs([self.state.bucket.canvas if gone else block_end for gone in cancelled])
         edits = self.state.edits.tolist() if self.key.policy.edits else None
         updates, keep, leaving = [], [], []
-        for row in self.rows:
-            settled = outputs[id(row)][:row.settings.gen_length]
-            if every_row_cancelled or row.cancelled:
+        for row, gone, output in zip(self.rows, cancelled, outputs):
+            settled = output[:row.settings.gen_length]
+            if gone:
                 reason, stops = "cancelled", False
             else:
                 eos_hit = any(t in self.eos for t in settled)
                 stops = eos_hit and not row.settings.ignore_eos and bool(self.eos)
                 finished = stops or row.block_position + self.key.block_length >= row.end_position
                 reason = ("eos" if eos_hit else "length") if finished else None
-            update = self._update(row, -1 if reason == "cancelled" else row.block, settled, reason)
+            update = self._update(row, -1 if gone else row.block, settled, reason)
             if update.token_ids or reason:
                 updates.append(update)
             if reason is None:
@@ -321,12 +320,12 @@ class RunningBatch:
             self._shrink()
         return updates
 
-    def _read_outputs(self, ends: dict[int, int]) -> dict[int, list[int]]:
+    def _read_outputs(self, ends: list[int]) -> list[list[int]]:
         """Each row's canvas from its first generated position to its end in `ends` (one host read)."""
-        starts = {id(row): self.column - row.block_position + row.output_position for row in self.rows}
-        first, last = min(starts.values()), max(ends.values())
-        ids = self.state.canvas[:, first:last].tolist()
-        return {id(row): ids[row.slot][starts[id(row)] - first:ends[id(row)] - first] for row in self.rows}
+        starts = [self.column - row.block_position + row.output_position for row in self.rows]
+        first = min(starts)
+        ids = self.state.canvas[:, first:max(ends)].tolist()
+        return [ids[row.slot][start - first:end - first] for row, start, end in zip(self.rows, starts, ends)]
 
     def _update(self, row: _Row, block: int, settled: list[int], reason: str | None) -> BlockUpdate:
         new = completion(settled[row.emitted:], self.stop_ids)
