@@ -210,7 +210,7 @@ class DeviceState(StaticBuffers):
 
     # -- rows in and out (at block boundaries) ------------------------------------------------------
     def reset(self, cfg_scale: float) -> None:
-        """Empty the bucket for a new batch: every row inert padding, no K/V, no forward counted."""
+        """Empty the bucket for a new batch: every row inert padding, no valid K/V, no forward counted."""
         self._pad(0)
         self.status[-1].zero_()
         self.cfg_scale.fill_(cfg_scale)
@@ -273,15 +273,18 @@ class DeviceState(StaticBuffers):
             self._pad(slot, slot + 1)
 
     def _blank(self, slots) -> None:
-        """Rows `slots` as a real row's padding: pad tokens no position sees. Their residual and K/V
-        are already zero: every free slot is a padding row (`_pad`)."""
+        """Rows `slots` as a real row's padding: pad tokens no position sees. Their residual is already
+        zero: every free slot is a padding row (`_pad`)."""
         for slot in slots:
             self.canvas[slot].fill_(self.pad_id)
             self.key_mask[slot].fill_(False)
             self.positions[slot].zero_()
 
     def _pad(self, start: int, end: int | None = None) -> None:
-        """Make rows [start, end) inert: pad tokens that see only themselves, and no mask to commit."""
+        """Make rows [start, end) inert: pad tokens that see only themselves, no mask to commit, and no
+        residual. Their K/V is left as it is: zeroing the storage costs a pass over its largest buffer,
+        and no step reads K/V before a forward wrote it (a batch starts, and a row joins, on a block
+        whose first step writes every position it later reads; `cache_valid` masks the rest)."""
         end = self.bucket.batch if end is None else end
         self.canvas[start:end].fill_(self.pad_id)
         self.key_mask[start:end].fill_(True)
@@ -289,7 +292,7 @@ class DeviceState(StaticBuffers):
         for name in (*_ZERO_IN_PADDING, "status"):
             if getattr(self, name) is not None:
                 getattr(self, name)[start:end].zero_()
-        for name in ("z", "certainty", "kv"):
+        for name in ("z", "certainty"):
             for half in self._model_halves(name):
                 half.narrow(0, start, end - start).zero_()
 

@@ -158,3 +158,28 @@ def test_a_batch_that_emptied_takes_new_rows_as_fresh(orl):
     batch.close()
     alone = Generator(backend).generate([[12, 13, 14]], replace(settings, seed=2))
     assert batch.finished["c"].tokens == alone.tokens[0].tolist()
+
+
+@pytest.mark.parametrize("case", ["bidirectional-dual", "block-causal-cache"])
+def test_k_v_is_written_before_it_is_read_when_rows_join(request, case):
+    """K/V storage is never cleared: an earlier batch's, or a left row's, must not be read. Poison the
+    whole storage at every boundary where rows join: every row's tokens are still those it gets alone."""
+    model_name, settings = CASES[case]
+    backend = TorchBackend(request.getfixturevalue(model_name), mode="eager", max_batch=4)
+    generator = Generator(backend)
+    batch = RunningBatch(backend)
+    generator_seen = torch.Generator().manual_seed(0)
+    requests = [("a", [5, 6, 7, 8, 9], 16, 0, 0), ("b", [10, 11], 8, 1, 1), ("c", [12, 13, 14], 12, 2, 2)]
+    for boundary in range(8):
+        joining = [r for r in requests if r[4] == boundary]
+        for tag, prompt, gen_length, seed, _ in joining:
+            batch.add(tag, prompt, replace(settings, gen_length=gen_length, seed=seed), seed=seed)
+        if joining:
+            batch._place_waiting()
+            batch.state.kv.copy_(torch.randn(batch.state.kv.shape, generator=generator_seen) * 1e4)
+        batch.run_block()
+    assert not batch.active
+    batch.close()
+    for tag, prompt, gen_length, seed, _ in requests:
+        alone = generator.generate([prompt], replace(settings, gen_length=gen_length, seed=seed))
+        assert batch.finished[tag].tokens == alone.tokens[0].tolist(), tag
