@@ -239,36 +239,6 @@ def open_backend(backend: str, model_dir: Path | None, *, dtype: str, mode: str,
     return model, (TorchBackend(model, mode=mode, max_batch=max_batch) if backend == "torch" else None)
 
 
-def lengths_from_options(model, gen_length: int | None, block_length: int | None) -> tuple[int, int]:
-    """Generation and block length, with defaults from the model's generation_config."""
-    if gen_length is None:
-        gen_length = model.generation_config.get("gen_length", 128)
-    if block_length is None:
-        default_block = model.generation_config.get("block_length", model.default_block_length or gen_length)
-        fits = model.block_causal or gen_length % default_block == 0  # block-causal: any length on its grid
-        block_length = default_block if default_block > 0 and fits else gen_length
-    return gen_length, block_length
-
-
-def settings_from_options(model, *, gen_length, block_length, policy, steps, remasking, threshold, factor,
-                          confidence, minimal_topk, editing_threshold, max_post_steps, preset, entropy_bound, cache,
-                          max_block_steps, temperature, cfg_scale, seed, steps_per_sync, ignore_eos=False):
-    """GenerationSettings from the decoding options, with defaults from the model."""
-    from dlmrt.runtime import GenerationSettings, make_policy
-
-    gen_length, block_length = lengths_from_options(model, gen_length, block_length)
-    if policy is None:
-        policy = "entropy_bound" if model.noise == "uniform" else "llada2" if model.block_causal else "fixed"
-    chosen = make_policy(policy, steps=steps, remasking=remasking, threshold=threshold, factor=factor,
-                         confidence=confidence, minimal_topk=minimal_topk, editing_threshold=editing_threshold,
-                         max_post_steps=max_post_steps, preset=preset, entropy_bound=entropy_bound,
-                         generation_config=model.generation_config)
-    return GenerationSettings(gen_length=gen_length, block_length=block_length, policy=chosen,
-                              temperature=temperature, cfg_scale=cfg_scale, seed=seed, cache=cache,
-                              ignore_eos=ignore_eos, max_block_steps=max_block_steps,
-                              steps_per_sync=steps_per_sync)
-
-
 @main.command()
 @model_option
 @click.option("--prompt", "prompts", multiple=True, metavar="TEXT",
@@ -302,12 +272,13 @@ def generate(model_dir, prompts, prompt_ids, ignore_eos, backend, mode, max_batc
     from rich.console import Console
 
     from dlmrt.runtime import Generator, reference, text
+    from dlmrt.runtime.settings import settings_with_defaults
     from dlmrt.runtime.torch_backend import TorchBackend
 
     console = Console(stderr=True)
     model, backend_impl = open_backend(backend, model_dir, dtype=dtype, mode=mode, max_batch=max_batch,
                                        device=device, engines=engines, precision=precision, console=console)
-    settings = settings_from_options(model, ignore_eos=ignore_eos, **decoding)
+    settings = settings_with_defaults(model, ignore_eos=ignore_eos, **decoding)
     for number, prompt in enumerate(prompts, start=1):
         text.require_utf8(prompt, f"--prompt {number}" if len(prompts) > 1 else "--prompt")
     batch = [text.encode(model, p) for p in prompts] if prompts else id_prompts
@@ -511,11 +482,12 @@ def evaluate(model_dir, data, task_names, per_task, split, data_seed, setting_sp
     from rich.console import Console
 
     from dlmrt.runtime import Fixed, GenerationSettings
+    from dlmrt.runtime.settings import lengths_with_defaults
 
     model, backend_impl = open_backend(backend, model_dir, dtype=dtype, mode=mode, max_batch=batch_size,
                                        device=device, engines=engines, precision=precision,
                                        console=Console(stderr=True))
-    gen_length, block_length = lengths_from_options(model, gen_length, block_length)
+    gen_length, block_length = lengths_with_defaults(model, gen_length, block_length)
     base = GenerationSettings(gen_length=gen_length, block_length=block_length, policy=Fixed(),
                               temperature=temperature, seed=seed, cache=cache, steps_per_sync=steps_per_sync)
     base.validate()

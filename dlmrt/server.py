@@ -251,8 +251,7 @@ def _text(model, ids: list[int]) -> str:
 
 def _prepare(model, backend: Backend, request: DiffusionKnobs, prompt: str | list[int], wanted: int | None):
     """(prompt ids, settings, the most tokens to return) for a request; every check before any compute."""
-    from dlmrt.cli import settings_from_options
-    from dlmrt.runtime.settings import check_request
+    from dlmrt.runtime.settings import check_request, settings_with_defaults
 
     if wanted is not None and request.gen_length is not None:
         raise ApiError(400, "give max_tokens or gen_length, not both", param="gen_length")
@@ -261,7 +260,7 @@ def _prepare(model, backend: Backend, request: DiffusionKnobs, prompt: str | lis
     gen_length = None if wanted is None else (-(-wanted // block) * block if block else wanted)
     try:
         ids = text.encode(model, prompt) if isinstance(prompt, str) else list(prompt)
-        settings = settings_from_options(
+        settings = settings_with_defaults(
             model, gen_length=gen_length, block_length=request.block_length, policy=request.policy,
             steps=request.steps, remasking="low_confidence", threshold=request.threshold, factor=None,
             confidence="prob", minimal_topk=1, editing_threshold=None, max_post_steps=None, preset=None,

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from dlmrt import limits
 from dlmrt.errors import ArgumentError
 from dlmrt.runtime.backend import ModelSpec
-from dlmrt.runtime.policies import Fixed, Policy, Residual
+from dlmrt.runtime.policies import Fixed, Policy, Residual, make_policy
 
 CACHE_MODES = ("none", "prefix", "dual")
 
@@ -128,3 +128,33 @@ def check_request(spec: ModelSpec, prompts: Sequence[Sequence[int]], settings: G
             raise ArgumentError(f"prompt {row} ({len(prompt)} tokens) + gen-length ({settings.gen_length}) "
                                 f"needs {needed} positions, more than the model's context of "
                                 f"{spec.max_positions}{hint}")
+
+
+def lengths_with_defaults(model, gen_length: int | None, block_length: int | None) -> tuple[int, int]:
+    """Generation and block length, with defaults from the model's generation_config."""
+    if gen_length is None:
+        gen_length = model.generation_config.get("gen_length", 128)
+    if block_length is None:
+        default_block = model.generation_config.get("block_length", model.default_block_length or gen_length)
+        fits = model.block_causal or gen_length % default_block == 0  # block-causal: any length on its grid
+        block_length = default_block if default_block > 0 and fits else gen_length
+    return gen_length, block_length
+
+
+def settings_with_defaults(model, *, gen_length, block_length, policy, steps, remasking, threshold, factor,
+                           confidence, minimal_topk, editing_threshold, max_post_steps, preset, entropy_bound,
+                           cache, max_block_steps, temperature, cfg_scale, seed, steps_per_sync,
+                           ignore_eos=False) -> GenerationSettings:
+    """GenerationSettings from decoding options (the CLI's, or a served request's fields), where None
+    takes the model's default (its generation_config.json, else its family's)."""
+    gen_length, block_length = lengths_with_defaults(model, gen_length, block_length)
+    if policy is None:
+        policy = "entropy_bound" if model.noise == "uniform" else "llada2" if model.block_causal else "fixed"
+    chosen = make_policy(policy, steps=steps, remasking=remasking, threshold=threshold, factor=factor,
+                         confidence=confidence, minimal_topk=minimal_topk, editing_threshold=editing_threshold,
+                         max_post_steps=max_post_steps, preset=preset, entropy_bound=entropy_bound,
+                         generation_config=model.generation_config)
+    return GenerationSettings(gen_length=gen_length, block_length=block_length, policy=chosen,
+                              temperature=temperature, cfg_scale=cfg_scale, seed=seed, cache=cache,
+                              ignore_eos=ignore_eos, max_block_steps=max_block_steps,
+                              steps_per_sync=steps_per_sync)

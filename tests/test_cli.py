@@ -146,7 +146,7 @@ def test_an_internal_error_is_one_line_asking_for_a_report(monkeypatch, capsys):
     def broken(*args, **kwargs):
         raise KeyError("deep inside")
 
-    monkeypatch.setattr(cli, "settings_from_options", broken)
+    monkeypatch.setattr("dlmrt.runtime.settings.settings_with_defaults", broken)
     monkeypatch.delenv("DLMRT_DEBUG", raising=False)
     argv = ["generate", "--prompt-ids", "5", "--backend", "reference"]
     monkeypatch.setattr("sys.argv", ["dlmrt", *argv])

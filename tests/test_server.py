@@ -225,9 +225,9 @@ def test_a_uniform_noise_model_is_served_one_request_at_a_time():
     client = TestClient(create_app(gemma, TorchBackend(gemma, mode="eager")))
     reply = client.post("/v1/completions", json={"model": gemma.name, "prompt": "sort:3142="})
     assert reply.status_code == 200, reply.text
-    from dlmrt.cli import settings_from_options
+    from dlmrt.runtime.settings import settings_with_defaults
 
-    settings = settings_from_options(  # the model's defaults, as the server takes them
+    settings = settings_with_defaults(  # the model's defaults, as the server takes them
         gemma, gen_length=None, block_length=None, policy=None, steps=None, remasking="low_confidence",
         threshold=None, factor=None, confidence="prob", minimal_topk=1, editing_threshold=None, max_post_steps=None,
         preset=None, entropy_bound=None, cache="none", max_block_steps=None, temperature=0.0, cfg_scale=0.0, seed=0,
