@@ -183,3 +183,21 @@ def test_k_v_is_written_before_it_is_read_when_rows_join(request, case):
     for tag, prompt, gen_length, seed, _ in requests:
         alone = generator.generate([prompt], replace(settings, gen_length=gen_length, seed=seed))
         assert batch.finished[tag].tokens == alone.tokens[0].tolist(), tag
+
+
+@pytest.mark.parametrize("cache", ["none", "dual"])
+def test_onnx_runtime_rows_decode_as_alone_whatever_joins_or_leaves(tiny_export, cache):
+    """The ORT backend binds each bucket's buffers once: rows moving between buckets, and joining
+    into free slots, must keep their tokens."""
+    from dlmrt.runtime.ort_backend import OrtBackend
+
+    backend = OrtBackend(tiny_export)
+    settings = GenerationSettings(16, 4, Threshold(0.5), cache=cache)
+    finished, blocks_seen, buckets = run_staggered(backend, settings)
+    assert any(len(set(blocks)) > 1 for blocks in blocks_seen)
+    assert len({bucket.batch for bucket in buckets}) > 1 and len({bucket.canvas for bucket in buckets}) > 1
+    generator = Generator(backend)
+    for tag, prompt, gen_length, seed, _, cancelled_at in REQUESTS:
+        if cancelled_at is None:
+            alone = generator.generate([prompt], replace(settings, gen_length=gen_length, seed=seed))
+            assert finished[tag].tokens == alone.tokens[0].tolist(), tag
