@@ -27,6 +27,7 @@ with the op `dlmrt.plugins.entropy_bound`); each kind of policy refuses the othe
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
@@ -73,6 +74,14 @@ class Policy(ABC):
     factor_value: float = 0.0
     edit_threshold_value: float = math.inf  # overwrite committed tokens with p(x0) >= this; inf: never
     post_steps: int = 0  # editing-only steps a block may take once it has no mask
+    # Fields the step reads from each row's own buffer (`threshold_value`, `factor_value`), which
+    # neither the schedule nor the step kind depends on: rows that differ only there share a batch.
+    row_fields: ClassVar[tuple[str, ...]] = ()
+
+    def shared(self) -> Policy:
+        """This policy with its per-row fields at their defaults: what rows sharing a batch agree on."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self) if f.name in self.row_fields}
+        return dataclasses.replace(self, **defaults)
 
     @property
     def edits(self) -> bool:
@@ -148,6 +157,7 @@ class Threshold(_AtLeastOnePerStep):
     threshold: float = 0.9
     confidence: str = "prob"
     name: ClassVar[str] = "threshold"
+    row_fields: ClassVar[tuple[str, ...]] = ("threshold",)
 
     @property
     def threshold_value(self) -> float:  # type: ignore[override]
@@ -166,6 +176,7 @@ class Factor(_AtLeastOnePerStep):
     factor: float = 1.0
     confidence: str = "prob"
     name: ClassVar[str] = "factor"
+    row_fields: ClassVar[tuple[str, ...]] = ("factor",)
 
     @property
     def factor_value(self) -> float:  # type: ignore[override]
@@ -189,6 +200,7 @@ class LLaDA2(Policy):
     minimal_topk: int = 1
     confidence: str = "prob"
     name: ClassVar[str] = "llada2"
+    row_fields: ClassVar[tuple[str, ...]] = ("threshold",)
 
     @property
     def threshold_value(self) -> float:  # type: ignore[override]
@@ -352,6 +364,9 @@ class Residual(Policy):
     @property
     def factor_value(self) -> float:  # type: ignore[override]
         return self.rule.factor_value
+
+    def shared(self) -> Policy:
+        return Residual(self.rule.shared())
 
     def validate(self, settings: GenerationSettings) -> None:
         self.rule.validate(settings)

@@ -19,8 +19,9 @@ When rows join or leave, the batch moves to the bucket that holds it (the smalle
 of the backend's ladder), and the column moves with it. Between those boundaries nothing moves:
 every row advances one block, and so does the column.
 
-Rows batch together when their settings agree on everything but gen-length, seed and ignore_eos
-(`batch_key`): the step kinds (window, cache, graph) and the block's step budget follow from the rest.
+Rows batch together when their settings agree on everything but what each row carries in its own
+buffers (`batch_key`): gen-length, seed, ignore_eos, temperature, and the policy's threshold or
+factor. The step kinds (window, cache, graph) and the block's step budget follow from the rest.
 """
 
 from __future__ import annotations
@@ -65,8 +66,10 @@ class FinishedRow:
 
 
 def batch_key(settings: GenerationSettings) -> GenerationSettings:
-    """What rows must agree on to share a batch."""
-    return replace(settings, gen_length=settings.block_length, seed=0, ignore_eos=False)
+    """What rows must agree on to share a batch. A row's temperature is its own: the sampling step
+    draws for the rows whose temperature is above 0 and takes the argmax for the others."""
+    return replace(settings, gen_length=settings.block_length, seed=0, ignore_eos=False, temperature=0.0,
+                   policy=settings.policy.shared())
 
 
 def automatic_steps(budget_left: int, remaining: int, taken: int, block_length: int,
@@ -140,8 +143,9 @@ class RunningBatch:
             cancel: CancelToken | None = None) -> None:
         """Queue a row (a checked request: `check_request`) to join at the next block boundary."""
         if not self.accepts(settings):
-            raise ArgumentError("a row's settings differ from the batch's in more than gen-length, seed and "
-                                "ignore_eos: run it in a batch of its own")
+            raise ArgumentError("a row's settings differ from the batch's in more than gen-length, seed, "
+                                "ignore_eos, temperature and the policy's threshold or factor: run it in a "
+                                "batch of its own")
         spec, block = self.spec, settings.block_length
         alone = layouts.build([prompt], settings.gen_length, block, block_causal=spec.block_causal,
                               pad_id=spec.pad_id, mask_id=spec.mask_id)
@@ -247,7 +251,8 @@ class RunningBatch:
         budget = self._start_block()
         first, later = device_step.kinds_for_block(
             key.cache, spec.block_causal, state.bucket.canvas, self.column, state.bucket.block,
-            first_block=any(row.block == 0 for row in self.rows), sampling=key.temperature > 0,
+            first_block=any(row.block == 0 for row in self.rows),
+            sampling=any(row.settings.temperature > 0 for row in self.rows),
             confidence=key.policy.confidence, editing=key.policy.edits, lookbehind=spec.logits_shift)
         taken, remaining, worked_before = 0, key.block_length, self.worked
         try:

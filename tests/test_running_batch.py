@@ -15,7 +15,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from dlmrt.runtime import Fixed, GenerationSettings, Generator, LLaDA2, Residual, Threshold
+from dlmrt.runtime import Factor, Fixed, GenerationSettings, Generator, LLaDA2, Residual, Threshold
 from dlmrt.runtime.running_batch import RunningBatch
 from dlmrt.runtime.torch_backend import TorchBackend
 
@@ -41,16 +41,17 @@ CASES = {
 }
 
 
-def run_staggered(backend, settings, requests=REQUESTS):
-    """Decode `requests` in one RunningBatch, each joining and cancelled at its boundary; returns the
-    finished rows, the blocks the rows were at in each block, and the buckets used."""
+def run_staggered(backend, settings, requests=REQUESTS, own=None):
+    """Decode `requests` in one RunningBatch, each joining and cancelled at its boundary, with the
+    settings `own[tag]` replaces for it; returns the finished rows, the blocks the rows were at in each
+    block, and the buckets used."""
     batch = RunningBatch(backend)
     cancels = {tag: threading.Event() for tag, *_ in requests}
     blocks_seen, buckets, boundary = [], [], 0
     while boundary == 0 or batch.active or any(joins >= boundary for *_, joins, _ in requests):
         for tag, prompt, gen_length, seed, joins, cancelled_at in requests:
             if joins == boundary:
-                batch.add(tag, prompt, replace(settings, gen_length=gen_length, seed=seed), seed=seed,
+                batch.add(tag, prompt, row_settings(settings, tag, gen_length, seed, own), seed=seed,
                           cancel=cancels[tag])
             if cancelled_at == boundary:
                 cancels[tag].set()
@@ -61,6 +62,10 @@ def run_staggered(backend, settings, requests=REQUESTS):
         boundary += 1
     batch.close()
     return batch.finished, blocks_seen, buckets
+
+
+def row_settings(settings, tag, gen_length, seed, own=None):
+    return replace(settings, gen_length=gen_length, seed=seed, **(own or {}).get(tag, {}))
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -134,10 +139,42 @@ def test_rows_wait_while_the_largest_canvas_cannot_hold_them(llada):
 def test_a_row_with_other_settings_is_refused(llada):
     batch = RunningBatch(TorchBackend(llada, mode="eager"))
     batch.add("a", [5, 6], GenerationSettings(8, 4, Threshold(0.3)), seed=0)
-    assert batch.accepts(GenerationSettings(16, 4, Threshold(0.3), seed=9, ignore_eos=True))
-    assert not batch.accepts(GenerationSettings(8, 4, Threshold(0.5)))
+    for own in (GenerationSettings(16, 4, Threshold(0.3), seed=9, ignore_eos=True),
+                GenerationSettings(8, 4, Threshold(0.5), temperature=0.7)):
+        assert batch.accepts(own)
+    for other in (GenerationSettings(8, 8, Threshold(0.3)), GenerationSettings(8, 4, Threshold(0.3), cache="dual"),
+                  GenerationSettings(8, 4, Threshold(0.3, "margin")), GenerationSettings(8, 4, Factor(1.0)),
+                  GenerationSettings(8, 4, Threshold(0.3), cfg_scale=1.5)):
+        assert not batch.accepts(other), other
     with pytest.raises(Exception, match="settings differ"):
-        batch.add("b", [5, 6], GenerationSettings(8, 4, Threshold(0.5)), seed=0)
+        batch.add("b", [5, 6], GenerationSettings(8, 4, Factor(1.0)), seed=0)
+
+
+# Each row's own temperature and threshold (or factor); "b" and "d" stay greedy among sampled rows.
+OWN = {"a": {"temperature": 0.9}, "b": {"temperature": 0.0}, "gone": {"temperature": 1.3},
+       "c": {"temperature": 0.5}, "d": {"temperature": 0.0}, "e": {"temperature": 1.0}}
+OWN_POLICIES = {
+    "threshold": ("llada", GenerationSettings(16, 4, Threshold(0.3), cache="dual"),
+                  {"a": Threshold(0.2), "b": Threshold(0.9), "c": Threshold(0.5), "e": Threshold(1.0)}),
+    "factor-orl": ("orl", GenerationSettings(16, 4, Residual(Factor(1.0))),
+                   {"a": Residual(Factor(0.5)), "c": Residual(Factor(3.0))}),
+    "block-causal": ("llada2", GenerationSettings(16, 4, LLaDA2(0.3, 4), cache="prefix"),
+                     {"b": LLaDA2(0.8, 4), "d": LLaDA2(0.1, 4)}),
+}
+
+
+@pytest.mark.parametrize("case", list(OWN_POLICIES))
+def test_rows_with_their_own_temperature_and_threshold_share_a_batch(request, case):
+    model_name, settings, policies = OWN_POLICIES[case]
+    own = {tag: {**values, **({"policy": policies[tag]} if tag in policies else {})} for tag, values in OWN.items()}
+    backend = TorchBackend(request.getfixturevalue(model_name), mode="eager", max_batch=4)
+    finished, blocks_seen, _ = run_staggered(backend, settings, own=own)
+    assert max(len(blocks) for blocks in blocks_seen) >= 3  # rows of different settings ran side by side
+    generator = Generator(backend)
+    for tag, prompt, gen_length, seed, _, cancelled_at in REQUESTS:
+        if cancelled_at is None:
+            alone = generator.generate([prompt], row_settings(settings, tag, gen_length, seed, own))
+            assert finished[tag].tokens == alone.tokens[0].tolist(), tag
 
 
 def test_a_batch_that_emptied_takes_new_rows_as_fresh(orl):
@@ -188,16 +225,17 @@ def test_k_v_is_written_before_it_is_read_when_rows_join(request, case):
 @pytest.mark.parametrize("cache", ["none", "dual"])
 def test_onnx_runtime_rows_decode_as_alone_whatever_joins_or_leaves(tiny_export, cache):
     """The ORT backend binds each bucket's buffers once: rows moving between buckets, and joining
-    into free slots, must keep their tokens."""
+    into free slots, must keep their tokens, each at its own temperature."""
     from dlmrt.runtime.ort_backend import OrtBackend
 
     backend = OrtBackend(tiny_export)
     settings = GenerationSettings(16, 4, Threshold(0.5), cache=cache)
-    finished, blocks_seen, buckets = run_staggered(backend, settings)
+    own = {**OWN, "c": {"temperature": 0.5, "policy": Threshold(0.95)}}  # its own temperature, and threshold
+    finished, blocks_seen, buckets = run_staggered(backend, settings, own=own)
     assert any(len(set(blocks)) > 1 for blocks in blocks_seen)
     assert len({bucket.batch for bucket in buckets}) > 1 and len({bucket.canvas for bucket in buckets}) > 1
     generator = Generator(backend)
     for tag, prompt, gen_length, seed, _, cancelled_at in REQUESTS:
         if cancelled_at is None:
-            alone = generator.generate([prompt], replace(settings, gen_length=gen_length, seed=seed))
+            alone = generator.generate([prompt], row_settings(settings, tag, gen_length, seed, own))
             assert finished[tag].tokens == alone.tokens[0].tolist(), tag
