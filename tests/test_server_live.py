@@ -108,6 +108,7 @@ def test_concurrent_requests_batch_and_each_gets_its_tokens_alone(model):
     backend = slowed(TorchBackend(model, mode="eager", max_batch=8), 0.01)
     app = create_app(model, backend)
     prompts = PROMPTS + ["add:31+4=", "rev:xyz=", "sort:5511=", "add:999+1=", "rev:hello=", "sort:20="]
+    temperatures = [0.0, 0.8] * 6  # sampled and greedy requests share the batch
     sizes = []
     watching = threading.Event()
 
@@ -123,7 +124,7 @@ def test_concurrent_requests_batch_and_each_gets_its_tokens_alone(model):
         def ask(index):
             time.sleep(0.03 * index)  # arrivals spread over the running batch's blocks
             body = {"model": model.name, "prompt": prompts[index], "block_length": 4, "gen_length": 16,
-                    "seed": index}
+                    "seed": index, "temperature": temperatures[index]}
             return httpx.post(f"{live.url}/v1/completions", json=body, timeout=60).json()
 
         with ThreadPoolExecutor(12) as pool:
@@ -132,7 +133,8 @@ def test_concurrent_requests_batch_and_each_gets_its_tokens_alone(model):
         watcher.join()
     assert max(sizes) > 1  # requests shared the batch
     for index, reply in enumerate(replies):
-        expected = alone(model, prompts[index], gen_length=16, block_length=4, seed=index)
+        expected = alone(model, prompts[index], gen_length=16, block_length=4, seed=index,
+                         temperature=temperatures[index])
         assert reply["choices"][0]["token_ids"] == expected, prompts[index]
 
 
