@@ -7,8 +7,9 @@
 
 One worker thread owns the backend. It runs the `RunningBatch` (`dlmrt.runtime.running_batch`) one
 block at a time; at each block boundary the rows that finished leave, and waiting requests join in
-arrival order. Rows share a batch when their settings agree on everything but gen-length, seed and
-ignore_eos; a request with other settings waits for the running batch to finish (first come, first
+arrival order. Rows share a batch when their settings agree on everything but what each row carries
+itself (`running_batch.batch_key`: gen-length, seed, ignore_eos, temperature, the policy's threshold
+or factor); a request with other settings waits for the running batch to finish (first come, first
 served: nothing is admitted past it meanwhile), then starts the next batch.
 
 A request receives its `BlockUpdate`s, then exactly one `Finished` or `Failed`. A request that cannot
