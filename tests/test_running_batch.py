@@ -68,6 +68,15 @@ def row_settings(settings, tag, gen_length, seed, own=None):
     return replace(settings, gen_length=gen_length, seed=seed, **(own or {}).get(tag, {}))
 
 
+def assert_each_row_as_alone(generator, finished, settings, own=None, requests=REQUESTS):
+    """Every request not cancelled finished with the tokens and finish reason `generator` gives it alone."""
+    for tag, prompt, gen_length, seed, _, cancelled_at in requests:
+        if cancelled_at is None:
+            alone = generator.generate([prompt], row_settings(settings, tag, gen_length, seed, own))
+            assert finished[tag].tokens == alone.tokens[0].tolist(), tag
+            assert finished[tag].finish_reason == alone.rows[0].finish_reason, tag
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_row_decodes_as_alone_whatever_joins_or_leaves(request, case):
     model_name, settings = CASES[case]
@@ -76,13 +85,7 @@ def test_a_row_decodes_as_alone_whatever_joins_or_leaves(request, case):
     assert any(len(set(blocks)) > 1 for blocks in blocks_seen)  # rows really ran at different blocks
     assert len({bucket.batch for bucket in buckets}) > 1 and len({bucket.canvas for bucket in buckets}) > 1
     assert finished["gone"].finish_reason == "cancelled"
-    generator = Generator(backend)
-    for tag, prompt, gen_length, seed, _, cancelled_at in REQUESTS:
-        if cancelled_at is not None:
-            continue
-        alone = generator.generate([prompt], replace(settings, gen_length=gen_length, seed=seed))
-        assert finished[tag].tokens == alone.tokens[0].tolist(), tag
-        assert finished[tag].finish_reason == alone.rows[0].finish_reason, tag
+    assert_each_row_as_alone(Generator(backend), finished, settings)
 
 
 @pytest.mark.gpu
@@ -93,11 +96,7 @@ def test_a_row_decodes_as_alone_under_cuda_graphs(request, case):
     model = copy.deepcopy(request.getfixturevalue(model_name)).to("cuda")
     backend = TorchBackend(model, mode="cudagraph", max_batch=4)
     finished, _, _ = run_staggered(backend, replace(settings, steps_per_sync=2))
-    generator = Generator(TorchBackend(model, mode="eager", max_batch=4))
-    for tag, prompt, gen_length, seed, _, cancelled_at in REQUESTS:
-        if cancelled_at is None:
-            alone = generator.generate([prompt], replace(settings, gen_length=gen_length, seed=seed))
-            assert finished[tag].tokens == alone.tokens[0].tolist(), tag
+    assert_each_row_as_alone(Generator(TorchBackend(model, mode="eager", max_batch=4)), finished, settings)
 
 
 def test_a_cancelled_row_leaves_the_batch_at_the_next_boundary(llada):
@@ -170,11 +169,7 @@ def test_rows_with_their_own_temperature_and_threshold_share_a_batch(request, ca
     backend = TorchBackend(request.getfixturevalue(model_name), mode="eager", max_batch=4)
     finished, blocks_seen, _ = run_staggered(backend, settings, own=own)
     assert max(len(blocks) for blocks in blocks_seen) >= 3  # rows of different settings ran side by side
-    generator = Generator(backend)
-    for tag, prompt, gen_length, seed, _, cancelled_at in REQUESTS:
-        if cancelled_at is None:
-            alone = generator.generate([prompt], row_settings(settings, tag, gen_length, seed, own))
-            assert finished[tag].tokens == alone.tokens[0].tolist(), tag
+    assert_each_row_as_alone(Generator(backend), finished, settings, own)
 
 
 def test_a_batch_that_emptied_takes_new_rows_as_fresh(orl):
@@ -203,23 +198,21 @@ def test_k_v_is_written_before_it_is_read_when_rows_join(request, case):
     whole storage at every boundary where rows join: every row's tokens are still those it gets alone."""
     model_name, settings = CASES[case]
     backend = TorchBackend(request.getfixturevalue(model_name), mode="eager", max_batch=4)
-    generator = Generator(backend)
     batch = RunningBatch(backend)
-    generator_seen = torch.Generator().manual_seed(0)
-    requests = [("a", [5, 6, 7, 8, 9], 16, 0, 0), ("b", [10, 11], 8, 1, 1), ("c", [12, 13, 14], 12, 2, 2)]
+    noise = torch.Generator().manual_seed(0)
+    requests = [("a", [5, 6, 7, 8, 9], 16, 0, 0, None), ("b", [10, 11], 8, 1, 1, None),
+                ("c", [12, 13, 14], 12, 2, 2, None)]
     for boundary in range(8):
         joining = [r for r in requests if r[4] == boundary]
-        for tag, prompt, gen_length, seed, _ in joining:
+        for tag, prompt, gen_length, seed, *_ in joining:
             batch.add(tag, prompt, replace(settings, gen_length=gen_length, seed=seed), seed=seed)
         if joining:
             batch._place_waiting()
-            batch.state.kv.copy_(torch.randn(batch.state.kv.shape, generator=generator_seen) * 1e4)
+            batch.state.kv.copy_(torch.randn(batch.state.kv.shape, generator=noise) * 1e4)
         batch.run_block()
     assert not batch.active
     batch.close()
-    for tag, prompt, gen_length, seed, _ in requests:
-        alone = generator.generate([prompt], replace(settings, gen_length=gen_length, seed=seed))
-        assert batch.finished[tag].tokens == alone.tokens[0].tolist(), tag
+    assert_each_row_as_alone(Generator(backend), batch.finished, settings, requests=requests)
 
 
 @pytest.mark.parametrize("cache", ["none", "dual"])
@@ -234,8 +227,4 @@ def test_onnx_runtime_rows_decode_as_alone_whatever_joins_or_leaves(tiny_export,
     finished, blocks_seen, buckets = run_staggered(backend, settings, own=own)
     assert any(len(set(blocks)) > 1 for blocks in blocks_seen)
     assert len({bucket.batch for bucket in buckets}) > 1 and len({bucket.canvas for bucket in buckets}) > 1
-    generator = Generator(backend)
-    for tag, prompt, gen_length, seed, _, cancelled_at in REQUESTS:
-        if cancelled_at is None:
-            alone = generator.generate([prompt], row_settings(settings, tag, gen_length, seed, own))
-            assert finished[tag].tokens == alone.tokens[0].tolist(), tag
+    assert_each_row_as_alone(Generator(backend), finished, settings, own)
