@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from dlmrt.core.version import __version__ as __version__
 
 # The tiny LLaDA-family model trained by scripts/train_tiny.py and shipped with the package.
 TINY_MODEL_DIR = Path(__file__).parent / "assets" / "tiny-llada"

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import onnx
 
-from dlmrt import atomic
+from dlmrt.core import atomic
 from dlmrt.engines import builder, manifest, preflight, targets
 from dlmrt.engines.plan import BuildPlan, GraphPlan, PlanError
 from dlmrt.engines.store import MANIFEST, TIMING_CACHE, EngineStore, engine_file
 from dlmrt.export.export_manifest import ExportManifest
-from dlmrt.hashing import sha256_of
+from dlmrt.core.hashing import sha256_of
 
 QUANTIZED_DIR = "quantized"  # inside the entry: the exact graphs fp8 / nvfp4 engines were built from
 EngineBuilder = Callable[[BuildPlan, GraphPlan, Path, "bytes | None"], "tuple[bytes, bytes]"]

@@ -12,7 +12,7 @@ import importlib.util
 from pathlib import Path
 
 from dlmrt.engines.plan import BuildPlan, GraphPlan
-from dlmrt.errors import DlmrtError
+from dlmrt.core.errors import DlmrtError
 from dlmrt.plugins import register_tensorrt_plugins
 
 

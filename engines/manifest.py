@@ -12,10 +12,11 @@ import json
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
-from dlmrt import __version__, json_files
+from dlmrt.core.version import __version__
+from dlmrt.core import json_files
 from dlmrt.engines.store import MANIFEST, TIMING_CACHE, engine_file
-from dlmrt.errors import DlmrtError
-from dlmrt.hashing import sha256_of
+from dlmrt.core.errors import DlmrtError
+from dlmrt.core.hashing import sha256_of
 
 if TYPE_CHECKING:
     from dlmrt.engines.plan import BuildPlan

@@ -17,7 +17,7 @@ import onnx
 
 from dlmrt.engines import plugin_specs, profiles
 from dlmrt.engines.targets import Target, check_precision
-from dlmrt.errors import DlmrtError
+from dlmrt.core.errors import DlmrtError
 from dlmrt.export import generation_config
 from dlmrt.export.export_manifest import ExportManifest, ExportManifestError
 

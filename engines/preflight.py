@@ -20,7 +20,7 @@ from onnx import TensorProto
 
 from dlmrt.engines.plan import BuildPlan, GraphPlan
 from dlmrt.engines.plugin_specs import KNOWN, PluginSpec
-from dlmrt.errors import DlmrtError
+from dlmrt.core.errors import DlmrtError
 
 # The parser's documented opset ceiling per TensorRT major version (its support matrix). NVFP4
 # graphs need opset 23 (FLOAT4E2M1 in DequantizeLinear), which TensorRT 10.8+ parses for FP4.

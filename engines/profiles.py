@@ -12,7 +12,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from dlmrt.errors import DlmrtError
+from dlmrt.core.errors import DlmrtError
 from dlmrt.export.export_manifest import ExportLimits, TensorContract
 
 DIMENSIONS = ("batch", "window", "block", "prefix")

@@ -15,7 +15,7 @@ from dlmrt.engines import manifest as manifests
 from dlmrt.engines import targets
 from dlmrt.engines.plugin_specs import outdated
 from dlmrt.engines.store import EngineStore
-from dlmrt.errors import DlmrtError
+from dlmrt.core.errors import DlmrtError
 from dlmrt.export.export_manifest import ExportManifest
 
 

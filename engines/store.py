@@ -18,9 +18,9 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-from dlmrt import atomic
-from dlmrt.errors import DlmrtError
-from dlmrt.home import home
+from dlmrt.core import atomic
+from dlmrt.core.errors import DlmrtError
+from dlmrt.core.home import home
 
 MANIFEST = "manifest.json"
 TIMING_CACHE = "timing.cache"

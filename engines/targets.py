@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dlmrt.errors import DlmrtError
+from dlmrt.core.errors import DlmrtError
 
 PRECISIONS = ("bf16", "fp16", "fp8", "nvfp4")
 GiB = 1 << 30

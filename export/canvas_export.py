@@ -53,8 +53,8 @@ import onnx
 import torch
 from torch import Tensor, nn
 
-from dlmrt import __version__
-from dlmrt.errors import UnsupportedFeatureError
+from dlmrt.core.version import __version__
+from dlmrt.core.errors import UnsupportedFeatureError
 from dlmrt.export.export_manifest import CANVAS_GRAPHS
 from dlmrt.export.models import Denoiser
 from dlmrt.export.models.residual import Residual
@@ -73,7 +73,7 @@ def graph_file(graph: str) -> str:
 
 
 def _past(past_sliding: Tensor, past_full: Tensor, past_positions: Tensor):
-    from dlmrt.export.models.diffusion_gemma import LayerGroupKV
+    from dlmrt.export.models.denoiser import LayerGroupKV
 
     return LayerGroupKV(past_sliding, past_full, past_positions)
 

@@ -22,8 +22,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
-from dlmrt import atomic, json_files
-from dlmrt.errors import ArgumentError, CheckpointError
+from dlmrt.core import atomic, json_files
+from dlmrt.core.errors import ArgumentError, CheckpointError
 from dlmrt.export import generation_config, models
 from dlmrt.export.models import Denoiser, SpecialTokens
 
@@ -240,7 +240,7 @@ def load(path: str | os.PathLike, *, dtype: str | torch.dtype = "float32", devic
     model.requires_grad_(False).eval()
     model.tokenizer = tokenizer
     tokenizer_config = root / TOKENIZER_CONFIG_FILE
-    # Read by `dlmrt.chat_template` when serving; only its bytes travel with the model, into saves and exports.
+    # Read by `dlmrt.core.chat_template` when serving; only its bytes travel with the model, into saves and exports.
     model.tokenizer_config = tokenizer_config.read_bytes() if tokenizer_config.is_file() else None
     model.generation_config = generation
     model.name = root.resolve().name

@@ -19,11 +19,11 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from dlmrt import atomic, json_files
-from dlmrt.errors import CheckpointError
+from dlmrt.core import atomic, json_files
+from dlmrt.core.errors import CheckpointError
 from dlmrt.export.models.denoiser import SpecialTokens
 from dlmrt.export.step_graph import EDITING_INPUTS, GRAPHS, GUIDED_GRAPHS
-from dlmrt.hashing import sha256_of
+from dlmrt.core.hashing import sha256_of
 
 MANIFEST_FILE = "dlmrt.json"
 FORMAT_VERSION = 1

@@ -18,8 +18,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from dlmrt import json_files, limits
-from dlmrt.errors import CheckpointError
+from dlmrt.core import json_files, limits
+from dlmrt.core.errors import CheckpointError
 
 FILE = "generation_config.json"
 LENGTHS = ("gen_length", "block_length", "steps")

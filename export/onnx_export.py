@@ -31,13 +31,14 @@ from typing import Any
 import onnx
 import torch
 
-from dlmrt import __version__, atomic, limits
-from dlmrt.errors import ArgumentError, UnsupportedFeatureError
+from dlmrt.core.version import __version__
+from dlmrt.core import atomic, limits
+from dlmrt.core.errors import ArgumentError, UnsupportedFeatureError
 from dlmrt.export import checkpoint
 from dlmrt.export.export_manifest import ExportLimits, ExportManifest, GraphEntry, ModelFacts, TensorContract
 from dlmrt.export.models import Denoiser, SpecialTokens
 from dlmrt.export.step_graph import GRAPHS, GUIDED_GRAPHS, StepGraph, input_names, output_names
-from dlmrt.hashing import sha256_of
+from dlmrt.core.hashing import sha256_of
 from dlmrt.plugins.parallel_unmask import MEASURE_CODES, onnx_function
 from dlmrt.plugins.residual_context import onnx_function as residual_function
 
@@ -264,7 +265,7 @@ def write_export(model: Denoiser, out_dir: str | Path, graphs: Mapping[str, Call
 def cached_export_dir(model_dir: str | Path, dtype: str, opset: int = DEFAULT_OPSET) -> Path:
     """Where `dlmrt generate --backend ort` keeps the export of a model directory: under
     `$DLMRT_HOME/exports`, keyed by the model's files (name, size, mtime), dtype, opset and dlmrt."""
-    from dlmrt.home import home
+    from dlmrt.core.home import home
 
     model_dir = Path(model_dir).resolve()
     key = hashlib.sha256(f"{model_dir}|{dtype}|{opset}|{__version__}".encode())

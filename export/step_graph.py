@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from dlmrt.errors import ArgumentError
+from dlmrt.core.errors import ArgumentError
 from dlmrt.export.models import Denoiser
 from dlmrt.export.models.denoiser import PastKV
 from dlmrt.export.models.residual import Residual

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dlmrt.errors import ArgumentError
+from dlmrt.core.errors import ArgumentError
 
 if TYPE_CHECKING:
     from pathlib import Path

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dlmrt import limits
-from dlmrt.export.models.diffusion_gemma import LayerGroupKV
+from dlmrt.core import limits
+from dlmrt.export.models.denoiser import LayerGroupKV
 from dlmrt.runtime.backend import ModelSpec
 from dlmrt.runtime.static_buffers import StaticBuffers
 
@@ -52,7 +52,7 @@ def zero_cache(groups: Sequence[CacheGroup], batch: int, length: int, dtype: tor
 def encoder_inputs(ids: Tensor, positions: Tensor, key_mask: Tensor, cache: LayerGroupKV) -> dict[str, Tensor]:
     """The exported encoder's inputs by name (`dlmrt.export.canvas_export`): the loop's `[B, P + T]` key
     mask split into `past_key_mask [B, P]` and `key_mask [B, T]`."""
-    from dlmrt.errors import ArgumentError
+    from dlmrt.core.errors import ArgumentError
 
     prefix = cache.positions.shape[1]
     if key_mask.shape != (ids.shape[0], prefix + ids.shape[1]):

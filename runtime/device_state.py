@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from dlmrt import limits
-from dlmrt.errors import ArgumentError
+from dlmrt.core import limits
+from dlmrt.core.errors import ArgumentError
 from dlmrt.runtime.backend import ModelSpec
 from dlmrt.runtime.layout import Layout
 from dlmrt.runtime.static_buffers import StaticBuffers

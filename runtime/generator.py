@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dlmrt.errors import ArgumentError
+from dlmrt.core.errors import ArgumentError
 from dlmrt.runtime import layout as layouts
 from dlmrt.runtime.backend import Backend
 from dlmrt.runtime.metrics import GenerationMetrics, peak_memory_bytes, reset_peak_memory

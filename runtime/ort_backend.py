@@ -27,7 +27,7 @@ import onnx
 import onnx.inliner
 import torch
 
-from dlmrt.errors import ArgumentError, MissingExtraError
+from dlmrt.core.errors import ArgumentError, MissingExtraError
 from dlmrt.export.export_manifest import ExportManifest
 from dlmrt.runtime import device_step
 from dlmrt.runtime.backend import Backend, ModelSpec

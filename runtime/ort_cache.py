@@ -18,7 +18,7 @@ import os
 import stat
 from pathlib import Path
 
-from dlmrt import atomic
+from dlmrt.core import atomic
 
 KEY_FILE, KEY_BYTES, SEAL_SUFFIX = ".key", 32, ".hmac"
 

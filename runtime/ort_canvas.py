@@ -25,9 +25,9 @@ import onnx
 import torch
 from torch import Tensor
 
-from dlmrt.errors import ArgumentError
+from dlmrt.core.errors import ArgumentError
 from dlmrt.export.export_manifest import ExportManifest
-from dlmrt.export.models.diffusion_gemma import LayerGroupKV
+from dlmrt.export.models.denoiser import LayerGroupKV
 from dlmrt.runtime import canvas_step
 from dlmrt.runtime.ort_backend import OPTIMIZATION_LEVELS, io_binding, session_options
 from dlmrt.runtime.backend import Backend, ModelSpec

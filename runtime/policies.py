@@ -37,8 +37,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import Tensor
 
-from dlmrt import limits
-from dlmrt.errors import ArgumentError
+from dlmrt.core import limits
+from dlmrt.core.errors import ArgumentError
 from dlmrt.plugins.parallel_unmask import CONFIDENCE_MEASURES, strictly_above
 
 if TYPE_CHECKING:

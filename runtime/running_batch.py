@@ -33,7 +33,7 @@ from typing import Protocol
 
 import torch
 
-from dlmrt.errors import ArgumentError
+from dlmrt.core.errors import ArgumentError
 from dlmrt.plugins.parallel_unmask import MEASURE_CODES
 from dlmrt.runtime import device_step
 from dlmrt.runtime import layout as layouts

@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from dlmrt.errors import DlmrtError
+from dlmrt.core.errors import DlmrtError
 from dlmrt.runtime.backend import Backend
 from dlmrt.runtime.running_batch import BlockUpdate, FinishedRow, RunningBatch
 from dlmrt.runtime.settings import GenerationSettings

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from dlmrt import limits
-from dlmrt.errors import ArgumentError
+from dlmrt.core import limits
+from dlmrt.core.errors import ArgumentError
 from dlmrt.runtime.backend import ModelSpec
 from dlmrt.runtime.policies import Fixed, Policy, Residual, make_policy
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dlmrt.errors import ArgumentError
+from dlmrt.core.errors import ArgumentError
 from dlmrt.export.models import Denoiser
 
 

@@ -34,9 +34,8 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import Tensor
 
-from dlmrt.errors import ArgumentError
+from dlmrt.core.errors import ArgumentError
 from dlmrt.export.models import Denoiser
-from dlmrt.export.models.diffusion_gemma import FULL, SLIDING
 from dlmrt.export.models.residual import Residual
 from dlmrt.export.step_graph import StepGraph, check_unmask
 from dlmrt.runtime import canvas_step, cuda_graphs, device_step, onednn
@@ -188,9 +187,7 @@ class TorchBackend(Backend, CanvasBackend):
 
     # -- CanvasBackend: uniform-noise models ----------------------------------------------------------
     def cache_groups(self) -> tuple[CacheGroup, CacheGroup]:
-        config = self.model.config
-        return tuple(CacheGroup(config.layer_types.count(kind), config.kv_heads(kind), config.head_dim(kind))
-                     for kind in (SLIDING, FULL))
+        return tuple(CacheGroup(*shape) for shape in self.model.cache_groups())
 
     @torch.no_grad()
     def encode(self, ids: Tensor, positions: Tensor, key_mask: Tensor, cache):
@@ -302,6 +299,6 @@ def _first_line(error: Exception) -> str:
 
 
 def _inductor_cache():
-    from dlmrt.home import home
+    from dlmrt.core.home import home
 
     return home() / "inductor"

@@ -38,10 +38,10 @@ import torch
 from dlmrt.engines import builder, profiles, targets
 from dlmrt.engines.select import select
 from dlmrt.engines.store import EngineStore
-from dlmrt.errors import ArgumentError, DlmrtError, MissingExtraError
+from dlmrt.core.errors import ArgumentError, DlmrtError, MissingExtraError
 from dlmrt.export.export_manifest import CANVAS_GRAPHS, ExportManifest
 from dlmrt.plugins import register_tensorrt_plugins
-from dlmrt.export.models.diffusion_gemma import LayerGroupKV
+from dlmrt.export.models.denoiser import LayerGroupKV
 from dlmrt.runtime import canvas_step, cuda_graphs, device_step
 from dlmrt.runtime.backend import Backend, ModelSpec
 from dlmrt.runtime.canvas_state import CacheGroup, CanvasState, encoder_inputs, zero_cache

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from dlmrt.export.models.diffusion_gemma import LayerGroupKV
+from dlmrt.export.models.denoiser import LayerGroupKV
 from dlmrt.plugins.entropy_bound import pad_after_eos, temperature_schedule
 from dlmrt.runtime.canvas_state import CacheGroup, CanvasBucket, CanvasState
 from dlmrt.runtime.metrics import GenerationMetrics, peak_memory_bytes, reset_peak_memory

@@ -35,8 +35,9 @@ from rich.progress import Progress
 from rich.table import Table
 
 import dlmrt
-from dlmrt import TINY_MODEL_DIR, atomic, tasks
-from dlmrt.benchmark import Case, measure
+from dlmrt import TINY_MODEL_DIR
+from dlmrt.core import atomic, tasks
+from dlmrt.bench.benchmark import Case, measure
 from dlmrt.runtime import GenerationSettings, Generator, Threshold, text
 
 SETTINGS = GenerationSettings(32, 8, Threshold(0.9), cache="dual")

@@ -39,8 +39,8 @@ from rich.progress import Progress
 from rich.table import Table
 
 import dlmrt
-from dlmrt import atomic
-from dlmrt.benchmark import Case, environment, measure
+from dlmrt.core import atomic
+from dlmrt.bench.benchmark import Case, environment, measure
 from dlmrt.export import checkpoint, models
 from dlmrt.export.models import SpecialTokens
 from dlmrt.runtime import GenerationSettings, Generator, Threshold

@@ -24,8 +24,8 @@ from rich.console import Console
 from rich.progress import Progress
 
 import dlmrt
-from dlmrt import atomic, tasks
-from dlmrt.benchmark import Case, measure, speed_table
+from dlmrt.core import atomic, tasks
+from dlmrt.bench.benchmark import Case, measure, speed_table
 from dlmrt.export import models
 from dlmrt.export.onnx_export import export
 from dlmrt.runtime import GenerationSettings, Generator, Threshold, text

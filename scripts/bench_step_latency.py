@@ -35,7 +35,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from dlmrt import atomic
+from dlmrt.core import atomic
 from dlmrt.export import models
 from dlmrt.export.models import SpecialTokens
 from dlmrt.plugins.parallel_unmask import MEASURE_CODES, UnmaskParams, parallel_unmask

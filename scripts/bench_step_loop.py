@@ -30,9 +30,9 @@ from rich.progress import Progress
 from rich.table import Table
 
 import dlmrt
-from dlmrt import atomic, tasks
-from dlmrt.benchmark import Case, measure, speed_table
-from dlmrt.evaluation import exact_match
+from dlmrt.core import atomic, tasks
+from dlmrt.bench.benchmark import Case, measure, speed_table
+from dlmrt.eval.evaluation import exact_match
 from dlmrt.export import models
 from dlmrt.export.models import SpecialTokens
 from dlmrt.runtime import Fixed, GenerationSettings, Generator, Threshold, reference, text

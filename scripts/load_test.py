@@ -3,7 +3,7 @@
     dlmrt serve --port 8000 &
     python scripts/load_test.py --requests 1000 --concurrency 64 --sequential 50 --json load.json
 
-Requests are task-suite prompts (dlmrt.tasks, held-out split), drawn with --seed. Exactly
+Requests are task-suite prompts (dlmrt.core.tasks, held-out split), drawn with --seed. Exactly
 round(N * --stream-fraction) of them stream, and round(N * --cancel-fraction) of those are closed by
 the client after their first event. Each request ends as exactly one of:
 
@@ -41,7 +41,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from dlmrt import atomic, tasks
+from dlmrt.core import atomic, tasks
 
 OUTCOMES = ("answered", "cancelled", "refused", "lost")
 

@@ -5,7 +5,7 @@ the measurement of ORL's gain (base, control and ORL in one run).
         --model orl=dlmrt/assets/tiny-llada-orl --per-task 300 --plot docs/orl-curves.png --json curves.json
 
 Every model decodes the same held-out prompts (the task suite's test split, as `dlmrt eval` draws
-them) under every setting of the grid, through `dlmrt.evaluation.evaluate_grid`, the code of `dlmrt
+them) under every setting of the grid, through `dlmrt.eval.evaluation.evaluate_grid`, the code of `dlmrt
 eval`. The first model is the reference of the matched comparison: TPF at its best exact-match and
 at one point (1%) below it (`dlmrt.orl.comparison`), and at each `--target`.
 """
@@ -23,8 +23,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 import dlmrt
-from dlmrt import atomic, evaluation, tasks
-from dlmrt.errors import DlmrtError
+from dlmrt.core import atomic, tasks
+from dlmrt.eval import evaluation
+from dlmrt.core.errors import DlmrtError
 from dlmrt.orl import comparison
 from dlmrt.runtime import Fixed, GenerationSettings
 

@@ -38,16 +38,16 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 import dlmrt
-from dlmrt import atomic, tasks
+from dlmrt.core import atomic, tasks
 from dlmrt.engines.quant.calibration import calibration_feeds
 from dlmrt.engines.quant.fp8 import quantize_export
-from dlmrt.evaluation import parse_setting
+from dlmrt.eval.evaluation import parse_setting
 from dlmrt.export import models
 from dlmrt.export.models import SpecialTokens
 from dlmrt.export.onnx_export import export
 from dlmrt.runtime import GenerationSettings, Generator, text
 from dlmrt.runtime.ort_backend import OrtBackend
-from dlmrt.tasks import Example
+from dlmrt.core.tasks import Example
 
 RANDOM_CONTEXT = 128
 

@@ -27,9 +27,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from dlmrt import atomic, tasks
-from dlmrt.errors import DlmrtError
-from dlmrt.evaluation import exact_match
+from dlmrt.core import atomic, tasks
+from dlmrt.core.errors import DlmrtError
+from dlmrt.eval.evaluation import exact_match
 from dlmrt.orl.trainer import Run, TrainingConfig, weights_sha256
 from dlmrt.runtime import Fixed
 

@@ -32,8 +32,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from dlmrt import atomic, tasks
-from dlmrt.evaluation import exact_match
+from dlmrt.core import atomic, tasks
+from dlmrt.eval.evaluation import exact_match
 from dlmrt.export import checkpoint, models
 from dlmrt.export.models import SpecialTokens
 from dlmrt.runtime import Fixed, GenerationSettings

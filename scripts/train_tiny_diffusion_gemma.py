@@ -52,7 +52,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from dlmrt import tasks
+from dlmrt.core import tasks
 from dlmrt.export import checkpoint, models
 from dlmrt.runtime import text
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dlmrt import tasks
+from dlmrt.core import tasks
 from dlmrt.export import models
 from dlmrt.export.models import SpecialTokens
 

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import dlmrt
-from dlmrt.errors import ArgumentError, CheckpointError, UnsupportedFeatureError
+from dlmrt.core.errors import ArgumentError, CheckpointError, UnsupportedFeatureError
 from dlmrt.export import checkpoint
 from dlmrt.runtime import (Factor, Fixed, GenerationSettings, Generator, LLaDA2, Residual, Threshold,
                            make_policy, reference)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from dlmrt.cli import main
+from dlmrt.cli.commands import main
 
 
 def bench(*args):

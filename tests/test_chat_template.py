@@ -8,8 +8,8 @@ import json
 import pytest
 
 import dlmrt
-from dlmrt.chat_template import ChatTemplate, load_chat_template
-from dlmrt.errors import ArgumentError
+from dlmrt.core.chat_template import ChatTemplate, load_chat_template
+from dlmrt.core.errors import ArgumentError
 from dlmrt.export import checkpoint
 from dlmrt.export.export_manifest import ExportManifest
 

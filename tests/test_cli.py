@@ -7,7 +7,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from dlmrt.cli import main
+from dlmrt.cli.commands import main
 from dlmrt.export import checkpoint
 from helpers import LLADA, LLADA2, random_model
 

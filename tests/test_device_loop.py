@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from dlmrt.errors import ArgumentError
+from dlmrt.core.errors import ArgumentError
 from dlmrt.runtime import Factor, Fixed, GenerationSettings, Generator, LLaDA2, Threshold, reference
 from dlmrt.runtime.torch_backend import TorchBackend
 from helpers import EOSAt, interpret_cases, run_in_interpreter
@@ -141,7 +141,7 @@ def test_automatic_k_plans_the_steps_the_block_still_needs(budget_left, remainin
 
 def test_a_large_k_runs_no_op_steps_and_changes_no_token():
     import dlmrt
-    from dlmrt import tasks
+    from dlmrt.core import tasks
     from dlmrt.runtime import text
 
     tiny = dlmrt.load()

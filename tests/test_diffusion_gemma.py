@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dlmrt.errors import CheckpointError, UnsupportedFeatureError
+from dlmrt.core.errors import CheckpointError, UnsupportedFeatureError
 from dlmrt.export import checkpoint, models
 from dlmrt.export.models.diffusion_gemma import FULL, SLIDING, inverse_frequencies, RopeConfig
 

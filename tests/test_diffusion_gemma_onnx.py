@@ -23,7 +23,7 @@ import numpy as np  # noqa: E402
 import onnx  # noqa: E402
 from onnx import numpy_helper  # noqa: E402
 
-from dlmrt.errors import ArgumentError  # noqa: E402
+from dlmrt.core.errors import ArgumentError  # noqa: E402
 from dlmrt.export import checkpoint, onnx_export  # noqa: E402
 from dlmrt.export.export_manifest import (CANVAS_GRAPHS, MANIFEST_FILE, ExportManifest,  # noqa: E402
                                           ExportManifestError)
@@ -278,7 +278,7 @@ def trained_export(tmp_path_factory):
                                       GenerationSettings(32, 16, EntropyBound(steps=8), seed=5)],
                          ids=["defaults", "two-blocks"])
 def test_ort_gives_the_torch_tokens_of_the_trained_model(trained_export, settings):
-    from dlmrt import tasks
+    from dlmrt.core import tasks
 
     model, exported = trained_export
     prompts = [model.tokenizer.encode(e.prompt).ids for e in tasks.examples("test", 4, 0)]
@@ -308,7 +308,7 @@ def test_requests_beyond_the_export_fail_before_any_compute(backend, monkeypatch
 
 @pytest.mark.slow
 def test_the_cli_runs_a_uniform_noise_export_on_ort_canvas(exported):
-    from dlmrt import cli
+    from dlmrt.cli.commands import main as cli
 
     model, backend = cli.open_backend("ort", exported, dtype="float32", mode="auto", max_batch=8, device="auto",
                                       engines=None, precision=None, console=None)
@@ -386,7 +386,7 @@ def test_the_engines_run_the_uniform_noise_loop_with_the_tokens_of_onnx_runtime_
     """TrtBackend on the three graphs' engines (the recording fake of TensorRT, which runs each engine's
     ONNX graph at the bound addresses): the encoder once per block, the decoder and soft tokens bound once to
     the bucket's buffers."""
-    from dlmrt import tasks
+    from dlmrt.core import tasks
     from dlmrt.engines import build, targets
     from dlmrt.engines.plan import make_plan
     from dlmrt.engines.profiles import DimRange

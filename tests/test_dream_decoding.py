@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import dlmrt
-from dlmrt.errors import ArgumentError
+from dlmrt.core.errors import ArgumentError
 from dlmrt.runtime import Dream, GenerationSettings, Generator, Threshold
 from dlmrt.runtime.policies import dream_schedule
 from helpers import Loop

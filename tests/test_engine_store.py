@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from dlmrt.cli import main
+from dlmrt.cli.commands import main
 from dlmrt.engines import build, builder, manifest, targets
 from dlmrt.engines.plan import make_plan
 from dlmrt.engines.select import EngineMismatch, select
@@ -338,7 +338,7 @@ def test_build_without_the_onnx_extra_says_which_to_install(tiny_export, monkeyp
 
 
 def test_inspect_needs_no_onnx(tmp_path):
-    code = ("import sys; sys.modules['onnx'] = None; from dlmrt.cli import main; "
+    code = ("import sys; sys.modules['onnx'] = None; from dlmrt.cli.commands import main; "
             "main(['inspect', sys.argv[1]])")
     result = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True)
     assert result.returncode == 2 and "holds no engine" in result.stderr, result.stderr

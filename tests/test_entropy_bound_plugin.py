@@ -22,7 +22,7 @@ from types import ModuleType, SimpleNamespace
 
 import pytest
 
-from dlmrt.errors import MissingExtraError
+from dlmrt.core.errors import MissingExtraError
 from helpers import check_plugin_registration, fresh_module
 
 onnx = pytest.importorskip("onnx", reason="the ONNX path needs the 'onnx' extra")

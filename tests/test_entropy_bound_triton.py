@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 
-from dlmrt.errors import KernelInputError
+from dlmrt.core.errors import KernelInputError
 from dlmrt.plugins.entropy_bound import RenoiseParams, entropy, entropy_bound_step
 from helpers import cuda_kernels, interpret_cases, run_in_interpreter
 

@@ -1,4 +1,4 @@
-"""`dlmrt eval` and dlmrt.evaluation: setting specs, JSONL examples, the grid, the JSON and the plot."""
+"""`dlmrt eval` and dlmrt.eval.evaluation: setting specs, JSONL examples, the grid, the JSON and the plot."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ import pytest
 from click.testing import CliRunner
 
 import dlmrt
-from dlmrt import tasks
-from dlmrt.cli import main
-from dlmrt.errors import ArgumentError
-from dlmrt.evaluation import default_grid, evaluate_grid, exact_match, load_jsonl, parse_setting
+from dlmrt.core import tasks
+from dlmrt.cli.commands import main
+from dlmrt.core.errors import ArgumentError
+from dlmrt.eval.evaluation import default_grid, evaluate_grid, exact_match, load_jsonl, parse_setting
 from dlmrt.export import checkpoint
 from dlmrt.runtime import Factor, Fixed, GenerationSettings, LLaDA2, Residual, Threshold
-from dlmrt.tasks import Example
+from dlmrt.core.tasks import Example
 from helpers import LLADA, random_model
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

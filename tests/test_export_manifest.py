@@ -132,7 +132,7 @@ def test_unreadable_manifests(tmp_path, text, problem):
 
 
 def test_load_checks_every_file_against_its_hash(tmp_path):
-    from dlmrt.hashing import sha256_of
+    from dlmrt.core.hashing import sha256_of
 
     data = manifest_dict()
     for name in data["files"]:

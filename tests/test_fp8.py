@@ -14,9 +14,9 @@ pytest.importorskip("onnxruntime", reason="the ONNX path needs the 'onnx' extra"
 
 import onnx  # noqa: E402
 
-from dlmrt import tasks  # noqa: E402
+from dlmrt.core import tasks  # noqa: E402
 from dlmrt.engines.quant.calibration import CalibrationError, calibration_feeds, load_prompts  # noqa: E402
-from dlmrt.errors import MissingExtraError  # noqa: E402
+from dlmrt.core.errors import MissingExtraError  # noqa: E402
 from dlmrt.export.export_manifest import ExportManifest  # noqa: E402
 from dlmrt.export.onnx_export import graph_file  # noqa: E402
 from dlmrt.runtime import Fixed, GenerationSettings, Generator, Threshold, text  # noqa: E402

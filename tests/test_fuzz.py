@@ -25,8 +25,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import dlmrt
-from dlmrt.cli import main
-from dlmrt.errors import DlmrtError
+from dlmrt.cli.commands import main
+from dlmrt.core.errors import DlmrtError
 from dlmrt.export import checkpoint
 from helpers import LLADA, LLADA2, random_model
 
@@ -259,7 +259,7 @@ lines = st.one_of(st.builds(to_text, json_values), st.builds(to_text, st.fixed_d
 @given(content=st.lists(lines, max_size=4))
 def test_eval_jsonl_and_calibration_prompts(tmp_path, content):
     from dlmrt.engines.quant.calibration import load_prompts
-    from dlmrt.evaluation import load_jsonl
+    from dlmrt.eval.evaluation import load_jsonl
 
     path = tmp_path / "examples.jsonl"
     path.write_text("\n".join(content), encoding="utf-8", errors="surrogateescape")

@@ -11,8 +11,8 @@ import time
 import pytest
 
 import dlmrt
-from dlmrt import json_files, limits
-from dlmrt.errors import CheckpointError, DlmrtError, ResourceError
+from dlmrt.core import json_files, limits
+from dlmrt.core.errors import CheckpointError, DlmrtError, ResourceError
 from dlmrt.export import checkpoint, models
 from helpers import LLADA, LLADA2, TOKENS, config, random_model
 
@@ -224,7 +224,7 @@ def test_a_corrupt_engine_manifest_is_one_error(tiny_export, tmp_path, edit, mes
 ], ids=["huge temperature", "nan temperature", "inf cfg", "seed beyond int64", "negative seed", "bool seed",
         "bool length", "huge length", "policy a string", "huge factor", "a billion steps"])
 def test_generation_settings_hold_what_the_step_tensors_hold(settings, message):
-    from dlmrt.errors import ArgumentError
+    from dlmrt.core.errors import ArgumentError
     from dlmrt.runtime import Factor, Fixed, GenerationSettings
 
     policy = settings.get("policy")
@@ -287,7 +287,7 @@ def test_inspect_reports_every_broken_entry_of_a_store(tiny_export, tmp_path):
 
     from click.testing import CliRunner
 
-    from dlmrt.cli import main
+    from dlmrt.cli.commands import main
     from dlmrt.engines import build, targets
     from dlmrt.engines.plan import make_plan
     from dlmrt.engines.store import EngineStore
@@ -402,7 +402,7 @@ def test_an_id_is_reported_from_the_file_it_came_from(model_dir):
     (dict(max_batch=10**9), r"max-batch must lie in \[1, 65536\]"),
 ])
 def test_export_options_are_checked_before_any_graph(tmp_path, options, message):
-    from dlmrt.errors import ArgumentError
+    from dlmrt.core.errors import ArgumentError
     from dlmrt.export import onnx_export
 
     with pytest.raises(ArgumentError, match=message):

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 import dlmrt
-from dlmrt.errors import ArgumentError
+from dlmrt.core.errors import ArgumentError
 from dlmrt.runtime import GenerationSettings, Generator, LLaDA21, Threshold, make_policy
 from helpers import TOKENS, Loop
 
@@ -251,7 +251,7 @@ def test_presets_and_their_overrides():
 def test_generate_takes_llada21s_options(tmp_path):
     from click.testing import CliRunner
 
-    from dlmrt.cli import main
+    from dlmrt.cli.commands import main
     case = next(c for c in EDITING_CASES if c["prompt"] == CASES[0]["prompt"] and c["threshold"] == 0.3
                 and c["max_post_steps"] == 2)
     args = ["generate", "--model", str(DATA / "llada21"), "--prompt-ids", ",".join(map(str, case["prompt"])),
@@ -268,7 +268,7 @@ def test_generate_takes_llada21s_options(tmp_path):
 
 
 def test_eval_settings_name_llada21_and_dream():
-    from dlmrt.evaluation import parse_setting
+    from dlmrt.eval.evaluation import parse_setting
     from dlmrt.runtime import Dream
     assert parse_setting("llada21:preset=speed,max_post_steps=4").policy == LLaDA21(0.5, 1.0, 4)
     assert parse_setting("llada21:editing_threshold=0.5").policy == LLaDA21(0.95, 0.5, 16)

@@ -11,8 +11,8 @@ import torch
 pytest.importorskip("onnxruntime", reason="the ONNX path needs the 'onnx' extra")
 
 import dlmrt  # noqa: E402
-from dlmrt import tasks  # noqa: E402
-from dlmrt.errors import ArgumentError, CheckpointError, UnsupportedFeatureError  # noqa: E402
+from dlmrt.core import tasks  # noqa: E402
+from dlmrt.core.errors import ArgumentError, CheckpointError, UnsupportedFeatureError  # noqa: E402
 from dlmrt.export import onnx_export  # noqa: E402
 from dlmrt.export.export_manifest import MANIFEST_FILE, ExportLimits, ExportManifest  # noqa: E402
 from dlmrt.runtime import Factor, Fixed, GenerationSettings, Generator, LLaDA2, Residual, Threshold, text  # noqa: E402
@@ -176,7 +176,7 @@ def test_residual_policy_runs_through_ort(exported):
 def test_cli_export_and_generate_with_ort(tmp_path, monkeypatch):
     from click.testing import CliRunner
 
-    from dlmrt.cli import main
+    from dlmrt.cli.commands import main
     from dlmrt.export import checkpoint
 
     monkeypatch.setenv("DLMRT_HOME", str(tmp_path / "home"))

@@ -13,13 +13,13 @@ import torch
 import torch.nn.functional as F
 
 import dlmrt
-from dlmrt import hashing, tasks
-from dlmrt.errors import ArgumentError, CheckpointError, UnsupportedFeatureError
+from dlmrt.core import hashing, tasks
+from dlmrt.core.errors import ArgumentError, CheckpointError, UnsupportedFeatureError
 from dlmrt.export import checkpoint, models
 from dlmrt.orl import objective, rollout, trainer
 from dlmrt.orl.trainer import Run, TrainingConfig
 from dlmrt.runtime import Fixed, GenerationSettings, Threshold, reference, text
-from dlmrt.tasks import Example
+from dlmrt.core.tasks import Example
 from helpers import LLADA, ORL, config, random_model
 
 SMALL = TrainingConfig(iterations=2, prompts=16, updates=3, batch_size=8, rollout_batch=16,
@@ -236,7 +236,7 @@ def test_resuming_with_other_settings_names_them(finished_iteration):
 # -- the matched comparison ---------------------------------------------------------------------
 
 def scored(label: str, mean: float, tpf: float):
-    from dlmrt.evaluation import EvalScore, SettingScore, parse_setting
+    from dlmrt.eval.evaluation import EvalScore, SettingScore, parse_setting
     from dlmrt.runtime import GenerationMetrics
 
     metrics = GenerationMetrics(nfe=10, sequence_forwards=100, generated_tokens=round(100 * tpf), prompt_tokens=0,
@@ -262,7 +262,7 @@ def test_tpf_at_matched_exact_match_by_hand():
 
 def test_the_comparison_plot_is_a_png(tmp_path):
     pytest.importorskip("matplotlib")
-    from dlmrt.evaluation import write_comparison_plot
+    from dlmrt.eval.evaluation import write_comparison_plot
 
     curve = [scored("threshold:threshold=0.9", 0.9, 2.0), scored("factor:factor=2", 0.8, 3.0)]
     write_comparison_plot({"base": curve, "orl": curve}, tmp_path / "curves.png", "title")

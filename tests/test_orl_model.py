@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import dlmrt
-from dlmrt import hashing, tasks
+from dlmrt.core import hashing, tasks
 from dlmrt.runtime import Factor, GenerationSettings, Generator, Residual, Threshold, text
 
 POLICIES = [Residual(Threshold(0.7)), Residual(Threshold(0.9)), Residual(Factor(2.0))]

@@ -8,8 +8,8 @@ import torch
 ort = pytest.importorskip("onnxruntime")
 
 import dlmrt  # noqa: E402
-from dlmrt import tasks  # noqa: E402
-from dlmrt.errors import MissingExtraError  # noqa: E402
+from dlmrt.core import tasks  # noqa: E402
+from dlmrt.core.errors import MissingExtraError  # noqa: E402
 from dlmrt.runtime import GenerationSettings, Generator, Threshold, text  # noqa: E402
 from dlmrt.runtime.ort_backend import GRAPH_ANNOTATION, NO_SYNC, OrtBackend  # noqa: E402
 

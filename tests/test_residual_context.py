@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from dlmrt.errors import KernelInputError, MissingExtraError
+from dlmrt.core.errors import KernelInputError, MissingExtraError
 from dlmrt.export.models.residual import next_residual
 from dlmrt.plugins.residual_context import residual_context
 from helpers import (LLADA, ORL, check_plugin_registration, config, cuda_kernels, fresh_module, interpret_cases,

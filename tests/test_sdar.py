@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import dlmrt
-from dlmrt.errors import CheckpointError, UnsupportedFeatureError
+from dlmrt.core.errors import CheckpointError, UnsupportedFeatureError
 from dlmrt.export import checkpoint, models
 from dlmrt.export.models import PastKV, SpecialTokens
 

@@ -1,4 +1,4 @@
-"""`dlmrt serve`'s HTTP API (dlmrt.server) on the tiny model, through FastAPI's test client."""
+"""`dlmrt serve`'s HTTP API (dlmrt.serve.app) on the tiny model, through FastAPI's test client."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ pytest.importorskip("fastapi", reason="the server needs the 'serve' extra")
 from fastapi.testclient import TestClient  # noqa: E402
 
 import dlmrt  # noqa: E402
-from dlmrt.chat_template import load_chat_template  # noqa: E402
+from dlmrt.core.chat_template import load_chat_template  # noqa: E402
 from dlmrt.runtime import EntropyBound, Fixed, GenerationSettings, Generator, text  # noqa: E402
 from dlmrt.runtime.torch_backend import TorchBackend  # noqa: E402
-from dlmrt.server import ServerLimits, create_app  # noqa: E402
+from dlmrt.serve.app import ServerLimits, create_app  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -17,10 +17,10 @@ import httpx  # noqa: E402
 import uvicorn  # noqa: E402
 
 import dlmrt  # noqa: E402
-from dlmrt.chat_template import load_chat_template  # noqa: E402
+from dlmrt.core.chat_template import load_chat_template  # noqa: E402
 from dlmrt.runtime import GenerationSettings, Generator, text  # noqa: E402
 from dlmrt.runtime.torch_backend import TorchBackend  # noqa: E402
-from dlmrt.server import ServerLimits, create_app  # noqa: E402
+from dlmrt.serve.app import ServerLimits, create_app  # noqa: E402
 
 PROMPTS = ["add:762+139=", "rev:abcdefghij=", "sort:3142=", "rev:abc=", "add:5+17=", "sort:987123="]
 

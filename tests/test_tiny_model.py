@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 import dlmrt
-from dlmrt import tasks
-from dlmrt.evaluation import exact_match
+from dlmrt.core import tasks
+from dlmrt.eval.evaluation import exact_match
 from dlmrt.runtime import Fixed, GenerationSettings
 
 

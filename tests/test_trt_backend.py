@@ -11,13 +11,13 @@ import torch
 pytest.importorskip("onnxruntime")
 
 import dlmrt  # noqa: E402
-from dlmrt import tasks  # noqa: E402
+from dlmrt.core import tasks  # noqa: E402
 from dlmrt.engines import build, targets  # noqa: E402
 from dlmrt.engines.plan import make_plan  # noqa: E402
 from dlmrt.engines.profiles import DimRange  # noqa: E402
 from dlmrt.engines.select import EngineMismatch  # noqa: E402
 from dlmrt.engines.store import EngineStore  # noqa: E402
-from dlmrt.errors import ArgumentError, MissingExtraError  # noqa: E402
+from dlmrt.core.errors import ArgumentError, MissingExtraError  # noqa: E402
 from dlmrt.export.export_manifest import ExportManifestError  # noqa: E402
 from dlmrt.runtime import Fixed, GenerationSettings, Generator, Threshold, text  # noqa: E402
 from dlmrt.runtime.ort_backend import OrtBackend  # noqa: E402
@@ -122,7 +122,7 @@ def test_a_model_directory_is_not_an_export(store):
 def test_nvfp4_on_a_gpu_without_it(tiny_export, store):
     with pytest.raises(Exception, match="nvfp4") as error:
         backend(tiny_export, store, precision="nvfp4")
-    assert isinstance(error.value, dlmrt.errors.DlmrtError)
+    assert isinstance(error.value, dlmrt.core.errors.DlmrtError)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("tensorrt") is not None, reason="TensorRT is installed here")
@@ -141,7 +141,7 @@ def test_missing_tensorrt_names_the_extra(tiny_export, store):
 def test_cli_option_misuse(command, arguments, message):
     from click.testing import CliRunner
 
-    from dlmrt.cli import main
+    from dlmrt.cli.commands import main
 
     result = CliRunner().invoke(main, [*command, *arguments])
     assert result.exit_code == 2 and message in result.output, result.output
@@ -152,7 +152,7 @@ def test_cli_option_misuse(command, arguments, message):
 def test_cli_device_cuda_without_a_gpu(backend):
     from click.testing import CliRunner
 
-    from dlmrt.cli import main
+    from dlmrt.cli.commands import main
 
     result = CliRunner().invoke(main, ["generate", "--prompt", "add:1+2=", "--backend", backend, "--device", "cuda"])
     assert result.exit_code == 2 and "sees no CUDA GPU here; use --device cpu" in result.output, result.output
@@ -161,7 +161,7 @@ def test_cli_device_cuda_without_a_gpu(backend):
 def test_cli_eval_through_onnx_runtime(tiny_export):
     from click.testing import CliRunner
 
-    from dlmrt.cli import main
+    from dlmrt.cli.commands import main
 
     arguments = ["eval", "--per-task", "2", "--setting", "threshold:threshold=0.9", "--batch-size", "6"]
     ort = CliRunner().invoke(main, [*arguments, "--backend", "ort", "--model", str(tiny_export)])
@@ -178,7 +178,7 @@ def test_cli_trt_on_a_model_directory_or_without_tensorrt(tiny_export, store):
     from click.testing import CliRunner
 
     from dlmrt import TINY_MODEL_DIR
-    from dlmrt.cli import main
+    from dlmrt.cli.commands import main
 
     def run(model):
         return CliRunner().invoke(main, ["generate", "--backend", "trt", "--model", str(model), "--engines",
@@ -218,7 +218,7 @@ def test_real_engines_agree_with_torch(tiny_export, prompts, tmp_path):
 
 
 def test_eval_through_the_engines_scores_as_torch(tiny_export, store):
-    from dlmrt import evaluation
+    from dlmrt.eval import evaluation
     from dlmrt.runtime.exported_model import ExportedModel
 
     examples = tasks.examples("test", 4, seed=3)
@@ -237,7 +237,7 @@ def test_eval_through_the_engines_scores_as_torch(tiny_export, store):
 def test_inspect_for_an_export_shows_the_engine_the_backend_runs(tiny_export, tmp_path, precision):
     from click.testing import CliRunner
 
-    from dlmrt.cli import main
+    from dlmrt.cli.commands import main
 
     store = EngineStore(tmp_path / "engines")
     for stored in ("fp16", "bf16"):
@@ -259,7 +259,7 @@ def test_cli_trt_without_the_tensorrt_extra_names_it(tiny_export, monkeypatch):
 
     from click.testing import CliRunner
 
-    from dlmrt.cli import main
+    from dlmrt.cli.commands import main
 
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "onnx" else find_spec(name, *a))

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dlmrt.errors import ArgumentError
+from dlmrt.core.errors import ArgumentError
 from dlmrt.export import checkpoint
 from dlmrt.plugins.entropy_bound import RenoiseParams, entropy_bound_step, initial_canvas, temperature_schedule
 from dlmrt.runtime import EntropyBound, GenerationSettings, Generator, Threshold, make_policy
@@ -83,7 +83,7 @@ def trained():
 
 
 def task_prompts(model, count: int) -> list[list[int]]:
-    from dlmrt import tasks
+    from dlmrt.core import tasks
 
     return [model.tokenizer.encode(e.prompt).ids for e in tasks.examples("test", count, 0)]
 
@@ -214,7 +214,7 @@ def test_the_trained_tiny_model_decodes_its_tasks_and_each_row_as_alone(trained)
     """End to end on the DiffusionGemma-shaped model trained on the task suite
     (scripts/train_tiny_diffusion_gemma.py): batched rows give the tokens each gets alone (row i
     uses seed + i), and the answers are mostly right."""
-    from dlmrt import tasks
+    from dlmrt.core import tasks
     from dlmrt.runtime import text
 
     model = trained

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from dlmrt.evaluation import SettingScore
+from dlmrt.eval.evaluation import SettingScore
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 Generator over an eager TorchBackend), and every step's input is recorded as the step consumed it:
 the canvas, positions and key mask, the block it decides on, and for an ORL model the exact `z` and
 certainty it was given. Only the states of rows whose output is verified right are kept
-(`dlmrt.tasks.is_correct`), and their targets are that output: for a task with several right
+(`dlmrt.core.tasks.is_correct`), and their targets are that output: for a task with several right
 answers, the one this rollout chose.
 
 Each kept state also carries the source entropy of the adjacent-entropy-contraction term: at every
@@ -27,7 +27,7 @@ from dlmrt.export.models import Denoiser, Residual
 from dlmrt.runtime import GenerationSettings, Generator, text
 from dlmrt.runtime import layout as layouts
 from dlmrt.runtime.torch_backend import TorchBackend
-from dlmrt.tasks import Example, is_correct
+from dlmrt.core.tasks import Example, is_correct
 
 IGNORE = -100  # cross-entropy's ignore index: positions with no target
 

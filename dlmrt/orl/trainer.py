@@ -29,9 +29,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
-from dlmrt import hashing, json_files, tasks
-from dlmrt.errors import ArgumentError, CheckpointError
-from dlmrt.evaluation import parse_setting
+from dlmrt.core import hashing, json_files, tasks
+from dlmrt.core.errors import ArgumentError, CheckpointError
+from dlmrt.eval.evaluation import parse_setting
 from dlmrt.export import checkpoint, models
 from dlmrt.export.models import Denoiser
 from dlmrt.export.models import residual as residual_context

@@ -29,8 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
-from dlmrt import json_files
-from dlmrt.errors import DlmrtError
+from dlmrt.core import json_files
+from dlmrt.core.errors import DlmrtError
 from dlmrt.runtime.backend import Backend
 from dlmrt.runtime.settings import GenerationSettings
 
@@ -73,7 +73,7 @@ def _jsonl_prompt(path: Path, number: int, line: str) -> str:
 
 def suite_prompts(count: int, seed: int = 0) -> list[str]:
     """`count` prompts from the task suite's train split, the tasks taking turns."""
-    from dlmrt import tasks
+    from dlmrt.core import tasks
 
     per_task = math.ceil(count / len(tasks.TASKS))
     by_task = [tasks.examples("train", per_task, seed, (task,)) for task in tasks.TASKS]

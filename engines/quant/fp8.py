@@ -33,8 +33,8 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from dlmrt import atomic
-from dlmrt.errors import DlmrtError, MissingExtraError
+from dlmrt.core import atomic
+from dlmrt.core.errors import DlmrtError, MissingExtraError
 from dlmrt.engines.quant.calibration import CalibrationError, calibration_feeds
 
 FP8_OPSET = 19  # float8 QuantizeLinear/DequantizeLinear

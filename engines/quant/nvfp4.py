@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dlmrt.errors import DlmrtError
+from dlmrt.core.errors import DlmrtError
 
 if TYPE_CHECKING:
     from dlmrt.export.models import Denoiser

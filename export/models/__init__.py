@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from dlmrt import limits
-from dlmrt.errors import CheckpointError, UnsupportedFeatureError
+from dlmrt.core import limits
+from dlmrt.core.errors import CheckpointError, UnsupportedFeatureError
 from dlmrt.export.models import diffusion_gemma, dream, llada, llada2_moe, residual, sdar
 from dlmrt.export.models.denoiser import Denoiser, DenoiserOutput, PastKV, SpecialTokens
 from dlmrt.export.models.layers import RMSNorm

@@ -4,7 +4,7 @@ Every family declares its config as a dataclass; `parse` checks that each field
 is present (unless it has a default) and of the annotated JSON type, that a
 number is finite and an integer fits in 64 bits, and that fields naming
 architecture features hold a value the family implements. `require_sizes`
-bounds the sizes that drive allocations and loops (`dlmrt.limits`). Errors
+bounds the sizes that drive allocations and loops (`dlmrt.core.limits`). Errors
 name the file, the field, what was expected and what was found.
 """
 
@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-from dlmrt.errors import CheckpointError, UnsupportedFeatureError
+from dlmrt.core.errors import CheckpointError, UnsupportedFeatureError
 
 C = TypeVar("C")
 

@@ -17,7 +17,7 @@ from typing import Any, ClassVar, NamedTuple
 import torch
 from torch import Tensor, nn
 
-from dlmrt.errors import ArgumentError
+from dlmrt.core.errors import ArgumentError
 from dlmrt.export.models import residual as residual_context
 from dlmrt.export.models.layers import attention_mask, rotary_tables
 from dlmrt.export.models.residual import Residual, ResidualConfig
@@ -33,6 +33,16 @@ class PastKV(NamedTuple):
     """Keys and values of a cached prefix, for every layer."""
 
     kv: Tensor  # [L, 2, B, Hkv, P, D], rotary already applied to K
+    positions: Tensor  # [B, P]
+
+
+class LayerGroupKV(NamedTuple):
+    """An encoder-decoder family's K/V cache (DiffusionGemma's encoder writes it). Sliding and full
+    layers differ in K/V heads and head size, so each kind of layer has its own tensor; rotary is
+    already applied to K."""
+
+    sliding: Tensor  # [Ls, 2, B, Hs, P, Ds]
+    full: Tensor  # [Lf, 2, B, Hf, P, Df]
     positions: Tensor  # [B, P]
 
 

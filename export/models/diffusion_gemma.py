@@ -40,16 +40,16 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dlmrt import limits
-from dlmrt.errors import ArgumentError, CheckpointError, UnsupportedFeatureError
+from dlmrt.core import limits
+from dlmrt.core.errors import ArgumentError, CheckpointError, UnsupportedFeatureError
 from dlmrt.export.models import config as config_parsing
-from dlmrt.export.models.denoiser import Denoiser, DenoiserOutput, SpecialTokens
+from dlmrt.export.models.denoiser import Denoiser, DenoiserOutput, LayerGroupKV, SpecialTokens
 from dlmrt.export.models.layers import SwiGLU, in_fixed_shape_graph
 from dlmrt.export.models.residual import Residual, ResidualConfig
 
@@ -246,15 +246,6 @@ def parameter_count(c: DiffusionGemmaConfig) -> int:
         experts = t.num_experts * 3 * t.hidden_size * t.moe_intermediate_size + t.num_experts * t.hidden_size
         total += attention + 3 * t.hidden_size * t.intermediate_size + experts
     return total
-
-
-class LayerGroupKV(NamedTuple):
-    """The encoder's K/V cache. Sliding and full layers differ in K/V heads and head size, so each
-    kind of layer has its own tensor; `rotary` is already applied to K."""
-
-    sliding: Tensor  # [Ls, 2, B, Hs, P, Ds]
-    full: Tensor  # [Lf, 2, B, Hf, P, Df]
-    positions: Tensor  # [B, P]
 
 
 class GemmaRMSNorm(nn.Module):
@@ -520,6 +511,12 @@ class DiffusionGemma(Denoiser):
             positions = (key_mask.long().cumsum(-1) - 1).clamp(min=0)
         key_positions = positions if past is None else torch.cat((past.positions, positions), dim=1)
         return positions, key_mask.bool(), key_positions
+
+    def cache_groups(self) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+        """(layers, K/V heads, head size) of the sliding and of the full layers: the shapes of a LayerGroupKV."""
+        config = self.config
+        return tuple((config.layer_types.count(kind), config.kv_heads(kind), config.head_dim(kind))
+                     for kind in (SLIDING, FULL))
 
     def encode(self, input_ids: Tensor, *, positions: Tensor | None = None, key_mask: Tensor | None = None,
                past: LayerGroupKV | None = None) -> LayerGroupKV:

@@ -26,8 +26,8 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from dlmrt import limits
-from dlmrt.errors import UnsupportedFeatureError
+from dlmrt.core import limits
+from dlmrt.core.errors import UnsupportedFeatureError
 from dlmrt.export.models import config as config_parsing
 from dlmrt.export.models.denoiser import DenoiserOutput
 from dlmrt.export.models.qwen import QwenDenoiser, parameter_count

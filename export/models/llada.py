@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dlmrt import limits
+from dlmrt.core import limits
 from dlmrt.export.models import config as config_parsing
 from dlmrt.export.models.denoiser import Denoiser, SpecialTokens
 from dlmrt.export.models.layers import RMSNorm, apply_rotary, attend, with_past

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dlmrt import limits
+from dlmrt.core import limits
 from dlmrt.export.models import config as config_parsing
 from dlmrt.export.models.denoiser import Denoiser, SpecialTokens
 from dlmrt.export.models.layers import RMSNorm, SwiGLU, apply_rotary, attend, in_fixed_shape_graph, with_past

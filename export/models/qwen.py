@@ -15,7 +15,7 @@ from typing import Protocol
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dlmrt.errors import UnsupportedFeatureError
+from dlmrt.core.errors import UnsupportedFeatureError
 from dlmrt.export.models.denoiser import Denoiser, SpecialTokens
 from dlmrt.export.models.layers import RMSNorm, SwiGLU, apply_rotary, attend, with_past
 from dlmrt.export.models.residual import ResidualConfig

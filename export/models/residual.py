@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dlmrt.errors import CheckpointError, UnsupportedFeatureError
+from dlmrt.core.errors import CheckpointError, UnsupportedFeatureError
 from dlmrt.export.models import config as config_parsing
 from dlmrt.plugins.residual_context import torch_op  # noqa: F401  (registers torch.ops.dlmrt.residual_context)
 from dlmrt.plugins.residual_context.reference import distribution, residual_context

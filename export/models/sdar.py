@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dlmrt import limits
+from dlmrt.core import limits
 from dlmrt.export.models import config as config_parsing
 from dlmrt.export.models.denoiser import SpecialTokens
 from dlmrt.export.models.qwen import QwenDenoiser, parameter_count

@@ -28,7 +28,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from dlmrt.errors import KernelInputError
+from dlmrt.core.errors import KernelInputError
 from dlmrt.plugins.entropy_bound import triton_kernels as entropy_bound_kernels
 from dlmrt.plugins.parallel_unmask import triton_kernels
 

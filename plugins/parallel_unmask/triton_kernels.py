@@ -30,7 +30,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from dlmrt.errors import KernelInputError, MissingExtraError
+from dlmrt.core.errors import KernelInputError, MissingExtraError
 from dlmrt.plugins.parallel_unmask.reference import (_MULTIPLIERS, _RANDOM_CONFIDENCE_SALT, MEASURE_CODES,
                                                      EditParams, UnmaskParams, UnmaskResult)
 

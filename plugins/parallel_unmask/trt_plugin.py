@@ -21,7 +21,7 @@ registration; building an engine from an exported step graph is the check for bo
 
 from typing import Tuple, Union
 
-from dlmrt.errors import MissingExtraError
+from dlmrt.core.errors import MissingExtraError
 
 _registered: set[str] = set()  # the plugin ids registered in this process
 

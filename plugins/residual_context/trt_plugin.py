@@ -19,7 +19,7 @@ the registration; building an engine from an exported ORL step graph is the chec
 
 from typing import Tuple, Union
 
-from dlmrt.errors import KernelInputError
+from dlmrt.core.errors import KernelInputError
 from dlmrt.plugins.parallel_unmask.trt_plugin import _build_target, register_plugin
 
 

@@ -22,11 +22,12 @@ from pathlib import Path
 
 import click
 
-from dlmrt import bench_suite, limits
-from dlmrt.bench_suite import Scenario
-from dlmrt.cli_errors import reports_errors
-from dlmrt.cli_types import FLOAT32, LENGTH
-from dlmrt.errors import ArgumentError
+from dlmrt.bench import suite as bench_suite
+from dlmrt.core import limits
+from dlmrt.bench.suite import Scenario
+from dlmrt.cli.errors import reports_errors
+from dlmrt.cli.types import FLOAT32, LENGTH
+from dlmrt.core.errors import ArgumentError
 
 BENCH_FORMAT_VERSION = 1
 TORCH_MODES = ("eager", "compile", "cudagraph", "auto")
@@ -51,10 +52,10 @@ def parse_backends(spec: str) -> list[tuple[str, str | None]]:
 
 
 def open_model(name: str | None, dtype: str, device: str):
-    """A model directory (default: the tiny model), or a named random config (dlmrt.bench_models)."""
+    """A model directory (default: the tiny model), or a named random config (dlmrt.bench.models)."""
     import dlmrt
     from dlmrt import TINY_MODEL_DIR
-    from dlmrt.bench_models import RANDOM_CONFIGS, random_model
+    from dlmrt.bench.models import RANDOM_CONFIGS, random_model
     from dlmrt.export.checkpoint import resolve_dtype
 
     if name in RANDOM_CONFIGS:
@@ -131,7 +132,7 @@ def bench_command(ctx, output_json, suite, scenario_names, baseline, check, upda
     from rich.console import Console
 
     if plot_path is not None:
-        from dlmrt.evaluation import require_matplotlib
+        from dlmrt.eval.evaluation import require_matplotlib
 
         if plot_path.suffix.lower() != ".png":
             raise click.BadParameter(f"the plot is a PNG: give a path ending in .png, got {str(plot_path)!r}",
@@ -179,7 +180,7 @@ def bench_command(ctx, output_json, suite, scenario_names, baseline, check, upda
     if output_json is not None:
         write_json(output_json, suite_name, results)
     if history is not None or plot_path is not None:
-        from dlmrt.benchmark import environment
+        from dlmrt.bench.benchmark import environment
 
         entry = bench_suite.history_entry(suite_name, results, environment())
         if history is not None:
@@ -212,8 +213,8 @@ def gate(suite_name: str, scenarios, results: dict, expected: dict, summary, jun
 
 
 def write_json(path: Path, suite_name: str | None, results: dict) -> None:
-    from dlmrt import atomic
-    from dlmrt.benchmark import environment
+    from dlmrt.core import atomic
+    from dlmrt.bench.benchmark import environment
 
     document = {"format_version": BENCH_FORMAT_VERSION, "suite": suite_name, "environment": environment(),
                 "scenarios": results}
@@ -251,7 +252,8 @@ def run_scenario(scenario: Scenario, console) -> dict:
         row["ratio_runs"] = [mine / base for mine, base in zip(row["tokens_per_s_runs"], rows[0]["tokens_per_s_runs"])]
     exact = None
     if scenario.exact_match_per_task:
-        from dlmrt import evaluation, tasks
+        from dlmrt.eval import evaluation
+        from dlmrt.core import tasks
 
         examples = tasks.examples("test", scenario.exact_match_per_task, seed=0)
         exact = evaluation.exact_match(model, examples, dataclasses.replace(settings, ignore_eos=False),
@@ -276,7 +278,7 @@ def default_cache(model) -> str:
 def make_cases(model, backends, prompts, settings, scratch: Path, console):
     """One benchmark Case per backend; `tokens` fills with each case's token digest as it runs. The
     reference case is LLaDA's plain loop (fixed policy, one token a step, no cache) on the same prompts."""
-    from dlmrt.benchmark import Case
+    from dlmrt.bench.benchmark import Case
     from dlmrt.runtime import Fixed, Generator, reference
     from dlmrt.runtime.torch_backend import TorchBackend
 
@@ -296,7 +298,7 @@ def make_cases(model, backends, prompts, settings, scratch: Path, console):
         if name == "torch":
             generator = Generator(TorchBackend(model, mode=mode, max_batch=len(prompts)))
         else:
-            from dlmrt.cli_errors import require_onnx_extra
+            from dlmrt.cli.errors import require_onnx_extra
 
             require_onnx_extra()  # before the imports that need it
             from dlmrt.export.onnx_export import export
@@ -317,7 +319,7 @@ def make_cases(model, backends, prompts, settings, scratch: Path, console):
 
 
 def run_cases(cases, iters: int, warmups: int, progress) -> list[dict]:
-    from dlmrt.benchmark import measure
+    from dlmrt.bench.benchmark import measure
 
     return measure(cases, iters, progress, "benchmarking", warmups=warmups)
 
@@ -325,7 +327,7 @@ def run_cases(cases, iters: int, warmups: int, progress) -> list[dict]:
 def results_table(rows: list[dict], title: str, batch: int, input_len: int, settings, exact_match: float | None):
     from rich.table import Table
 
-    from dlmrt.limits import size
+    from dlmrt.core.limits import size
 
     exact = f", exact match {exact_match:.1%}" if exact_match is not None else ""
     table = Table(title=f"{title}: batch {batch}, input {input_len}, output {settings.gen_length} in blocks of "

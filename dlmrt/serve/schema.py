@@ -15,7 +15,7 @@ from typing import Literal
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from dlmrt import limits
+from dlmrt.core import limits
 
 # dlmrt's finish reasons as OpenAI names them: a row that committed end-of-sequence stopped
 FINISH_REASONS = {"eos": "stop", "length": "length"}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from dlmrt.errors import ArgumentError
+from dlmrt.core.errors import ArgumentError
 from dlmrt.export import models
 from dlmrt.export.models import Denoiser, SpecialTokens
 

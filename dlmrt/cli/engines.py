@@ -8,8 +8,8 @@ from pathlib import Path
 
 import click
 
-from dlmrt.cli_errors import reports_errors, require_onnx_extra
-from dlmrt.errors import ArgumentError
+from dlmrt.cli.errors import reports_errors, require_onnx_extra
+from dlmrt.core.errors import ArgumentError
 
 DIMENSION_HELP = "{dim} range MIN:OPT:MAX (or one size) for the optimization profile [default: {default}]."
 PRECISION_CHOICES = ("bf16", "fp16", "fp8", "nvfp4")

@@ -19,12 +19,12 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dlmrt import atomic, json_files
-from dlmrt.errors import ArgumentError
+from dlmrt.core import atomic, json_files
+from dlmrt.core.errors import ArgumentError
 from dlmrt.export.models import Denoiser
 from dlmrt.runtime import GenerationMetrics, GenerationSettings, Generator, Policy, make_policy, text
 from dlmrt.runtime.settings import check_request
-from dlmrt.tasks import Example, is_correct
+from dlmrt.core.tasks import Example, is_correct
 
 if TYPE_CHECKING:
     from dlmrt.runtime.backend import Backend
@@ -55,7 +55,7 @@ LABEL_WIDTH, LABEL_HEIGHT = 0.25, 0.03
 @dataclass(frozen=True)
 class EvalScore:
     # Fraction of right answers, tasks in order of first appearance: exactly the answer, or for a
-    # task with several right answers (`dlmrt.tasks.VERIFIERS`) what its verifier accepts.
+    # task with several right answers (`dlmrt.core.tasks.VERIFIERS`) what its verifier accepts.
     per_task: dict[str, float]
     metrics: GenerationMetrics  # all batches together
 

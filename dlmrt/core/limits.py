@@ -12,7 +12,7 @@ import math
 import os
 from typing import TYPE_CHECKING
 
-from dlmrt.errors import ArgumentError, ResourceError
+from dlmrt.core.errors import ArgumentError, ResourceError
 
 if TYPE_CHECKING:
     import torch

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from dlmrt import limits
+from dlmrt.core import limits
 
 
 class Float32(click.ParamType):

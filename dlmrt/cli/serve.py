@@ -1,4 +1,4 @@
-"""`dlmrt serve`: the OpenAI-compatible server (`dlmrt.server`) on uvicorn."""
+"""`dlmrt serve`: the OpenAI-compatible server (`dlmrt.serve.app`) on uvicorn."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from dlmrt.cli_errors import reports_errors
+from dlmrt.cli.errors import reports_errors
 
 
 @click.command("serve")
@@ -35,9 +35,10 @@ def serve_command(model_dir, backend, mode, device, dtype, max_batch, host, port
     import uvicorn
     from rich.console import Console
 
-    from dlmrt.chat_template import load_chat_template
-    from dlmrt.cli import TINY_MODEL_DIR, open_backend, resolve_device
-    from dlmrt.server import ServerLimits, create_app
+    from dlmrt.core.chat_template import load_chat_template
+    from dlmrt import TINY_MODEL_DIR
+    from dlmrt.cli.backends import open_backend, resolve_device
+    from dlmrt.serve.app import ServerLimits, create_app
 
     console = Console(stderr=True)
     if backend == "torch" and mode == "auto" and resolve_device(backend, device) == "cpu":

@@ -34,8 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dlmrt import atomic, json_files
-from dlmrt.errors import DlmrtError
+from dlmrt.core import atomic, json_files
+from dlmrt.core.errors import DlmrtError
 
 SUITE_FORMAT_VERSION = BASELINE_FORMAT_VERSION = 1
 # The allowed drop of a speed ratio: the baseline's own spread over its rounds, at least MIN_MARGIN

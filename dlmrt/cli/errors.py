@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import click
 
-from dlmrt.errors import DlmrtError
+from dlmrt.core.errors import DlmrtError
 
 
 class UserError(click.ClickException):

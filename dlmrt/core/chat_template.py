@@ -18,8 +18,8 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from dlmrt import json_files
-from dlmrt.errors import ArgumentError
+from dlmrt.core import json_files
+from dlmrt.core.errors import ArgumentError
 
 FILE = "tokenizer_config.json"
 DEFAULT_NAME = "default"  # the named template used when a model has several

@@ -5,13 +5,13 @@
 
 Endpoints: `GET /health`, `GET /v1/models`, `GET /metrics` (Prometheus), `POST /v1/completions` and
 `POST /v1/chat/completions` (JSON, or server-sent events with one event per committed block, ending
-in `data: [DONE]`). Shapes, knobs and errors: `dlmrt.api_schema`. What a request leaves out comes
+in `data: [DONE]`). Shapes, knobs and errors: `dlmrt.serve.schema`. What a request leaves out comes
 from the model's generation_config.json, as on the command line.
 
 Requests are decoded by continuous batching (`dlmrt.runtime.scheduler`): a request joins the running
 batch at the next block boundary and leaves it at the boundary after it ends, so it never waits for
 a whole batch; its tokens are those it would get alone. Chat renders the messages with the model's
-chat template (tokenizer_config.json, `dlmrt.chat_template`); a model without one answers chat with 400.
+chat template (tokenizer_config.json, `dlmrt.core.chat_template`); a model without one answers chat with 400.
 
 Limits and faults: a full queue answers 429; a request past its time limit answers 504 and leaves
 the batch; a client that disconnects from a stream cancels its row at its next block boundary; an
@@ -32,14 +32,14 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 
-from dlmrt.api_schema import (ApiError, ChatRequest, CompletionRequest, DiffusionKnobs, chat_choice, chat_delta,
+from dlmrt.serve.schema import (ApiError, ChatRequest, CompletionRequest, DiffusionKnobs, chat_choice, chat_delta,
                               completion_choice, reply_header, usage)
-from dlmrt.chat_template import ChatTemplate
-from dlmrt.errors import DlmrtError
+from dlmrt.core.chat_template import ChatTemplate
+from dlmrt.core.errors import DlmrtError
 from dlmrt.runtime import text
 from dlmrt.runtime.backend import Backend
 from dlmrt.runtime.scheduler import Failed, Finished, QueueFull, Scheduler, ShuttingDown
-from dlmrt.server_metrics import ServerMetrics
+from dlmrt.serve.metrics import ServerMetrics
 
 
 @dataclass(frozen=True)

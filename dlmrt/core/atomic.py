@@ -12,7 +12,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from dlmrt.errors import ArgumentError
+from dlmrt.core.errors import ArgumentError
 
 
 def _default_mode(mode: int) -> int:

@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from dlmrt.errors import DlmrtError
+from dlmrt.core.errors import DlmrtError
 
 MAX_BYTES = 16 * 2**20
 MAX_DEPTH = 32

@@ -10,20 +10,22 @@ from typing import TYPE_CHECKING
 
 import click
 
-from dlmrt import TINY_MODEL_DIR, __version__, limits
-from dlmrt.cli_errors import UserError, guarded, reports_errors, require_onnx_extra, require_trt_extra
-from dlmrt.cli_types import FLOAT32, LENGTH
-from dlmrt.bench_command import bench_command
-from dlmrt.serve_command import serve_command
-from dlmrt.engine_commands import build_command, inspect_command
+from dlmrt import TINY_MODEL_DIR, __version__
+from dlmrt.core import limits
+from dlmrt.cli.errors import UserError, guarded, reports_errors, require_onnx_extra
+from dlmrt.cli.types import FLOAT32, LENGTH
+from dlmrt.cli.bench import bench_command
+from dlmrt.cli.serve import serve_command
+from dlmrt.cli.engines import build_command, inspect_command
+from dlmrt.cli.backends import open_backend
 
 if TYPE_CHECKING:
     from rich.table import Table
 
-    from dlmrt.evaluation import Setting, SettingScore
+    from dlmrt.eval.evaluation import Setting, SettingScore
     from dlmrt.runtime.backend import Backend
     from dlmrt.runtime import GenerationSettings
-    from dlmrt.tasks import Example
+    from dlmrt.core.tasks import Example
 
 DTYPE_CHOICES = ("float32", "bfloat16", "float16", "fp32", "bf16", "fp16", "auto")
 # Kept here (not imported from dlmrt.runtime) so that `dlmrt --help` does not import torch.
@@ -177,68 +179,6 @@ def backend_options(command):
                         help="trt backend: the engine store [default: $DLMRT_HOME/engines].")(command)
 
 
-def resolve_device(backend: str, device: str) -> str:
-    """--device for --backend: auto is the GPU where the backend can run on one."""
-    import torch
-
-    if backend == "trt":
-        if device == "cpu":
-            raise click.UsageError("--backend trt runs on the GPU: drop --device cpu, or use --backend torch or ort")
-        return "cuda"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise click.UsageError(f"--device cuda: torch {torch.__version__} sees no CUDA GPU here; use --device cpu")
-    if device != "auto":
-        return device
-    if not torch.cuda.is_available():
-        return "cpu"
-    if backend == "ort":
-        import onnxruntime
-
-        return "cuda" if "CUDAExecutionProvider" in onnxruntime.get_available_providers() else "cpu"
-    return "cuda"
-
-
-def open_backend(backend: str, model_dir: Path | None, *, dtype: str, mode: str, max_batch: int,
-                 device: str, engines: Path | None, precision: str | None, console):
-    """(model, backend) for --backend: the model is what text in and out needs (a Denoiser, or an
-    export's ExportedModel); the backend is None for the reference loop, which runs the model itself."""
-    if backend != "torch" and mode != "auto":
-        raise click.UsageError(f"--mode applies to --backend torch; --backend {backend} runs its own way")
-    if backend != "trt" and (engines is not None or precision is not None):
-        raise click.UsageError("--engines and --precision apply to --backend trt")
-    if backend == "ort":
-        require_onnx_extra()
-        from dlmrt.home import home
-        from dlmrt.runtime.exported_model import ExportedModel
-        from dlmrt.runtime.ort_backend import OrtBackend
-
-        export_dir = ensure_exported(Path(model_dir or TINY_MODEL_DIR), dtype, console)
-        exported = ExportedModel.load(export_dir)
-        if exported.noise == "uniform":  # DiffusionGemma's encoder and decoder graphs, on the CPU
-            from dlmrt.runtime.ort_canvas import OrtCanvasBackend
-
-            return exported, OrtCanvasBackend(export_dir, device="cpu" if device == "auto" else
-                                              resolve_device(backend, device))
-        # optimized graphs are kept, for faster starts after the first
-        return exported, OrtBackend(export_dir, device=resolve_device(backend, device),
-                                    optimized_model_dir=home() / "ort")
-    device = resolve_device(backend, device)
-    if backend == "trt":
-        require_trt_extra()
-        from dlmrt.runtime.exported_model import ExportedModel
-        from dlmrt.runtime.trt_backend import TrtBackend
-
-        if model_dir is None:
-            raise click.UsageError("--backend trt needs --model EXPORT_DIR, the export the engines were built from")
-        trt_backend = TrtBackend(model_dir, engines, precision=precision)
-        return ExportedModel.load(model_dir), trt_backend
-    import dlmrt
-    from dlmrt.runtime.torch_backend import TorchBackend
-
-    model = dlmrt.load(model_dir or TINY_MODEL_DIR, dtype=dtype, device=device)
-    return model, (TorchBackend(model, mode=mode, max_batch=max_batch) if backend == "torch" else None)
-
-
 @main.command()
 @model_option
 @click.option("--prompt", "prompts", multiple=True, metavar="TEXT",
@@ -312,22 +252,6 @@ def generate(model_dir, prompts, prompt_ids, ignore_eos, backend, mode, max_batc
             click.echo(output["text"] if output["text"] is not None else ",".join(map(str, output["token_ids"])))
     if show_metrics:
         console.print(metrics.table())
-
-
-def ensure_exported(model_dir: Path, dtype: str, console) -> Path:
-    """`model_dir` if it is an export, else its export in the cache (made on first use)."""
-    from dlmrt.export.export_manifest import ExportManifest
-    from dlmrt.export.onnx_export import cached_export_dir, export
-
-    if ExportManifest.present(model_dir):
-        return model_dir
-    target = cached_export_dir(model_dir, dtype)
-    if not ExportManifest.present(target):
-        import dlmrt
-
-        with console.status(f"exporting {model_dir} to {target} (once)"):
-            export(dlmrt.load(model_dir, dtype=dtype), target)
-    return target
 
 
 @main.command("export")
@@ -466,7 +390,7 @@ def evaluate(model_dir, data, task_names, per_task, split, data_seed, setting_sp
         given = ", ".join(name for name, value in suite_options.items() if value is not None)
         raise click.UsageError(f"--data replaces the task suite: drop {given}")
 
-    from dlmrt import evaluation
+    from dlmrt.eval import evaluation
 
     if plot_path is not None:
         if plot_path.suffix.lower() != ".png":
@@ -497,7 +421,7 @@ def evaluate(model_dir, data, task_names, per_task, split, data_seed, setting_sp
     title = f"{model.name}: {len(examples)} examples, gen-length {gen_length}, block-length {block_length}"
     print_table(results_table(results, title))
     if json_path is not None:
-        from dlmrt import atomic
+        from dlmrt.core import atomic
 
         document = evaluation.results_document(model.name, len(examples), base, results)
         atomic.write_text(json_path, json.dumps(document, indent=2) + "\n")
@@ -506,7 +430,7 @@ def evaluate(model_dir, data, task_names, per_task, split, data_seed, setting_sp
 
 
 def suite_examples(task_names: str | None, per_task: int, split: str, seed: int) -> list[Example]:
-    from dlmrt import tasks
+    from dlmrt.core import tasks
 
     chosen = tuple(tasks.TASKS) if task_names is None else \
         tuple(dict.fromkeys(name.strip() for name in task_names.split(",") if name.strip()))
@@ -523,7 +447,7 @@ def run_grid(model, backend: Backend, examples: Sequence[Example], base: Generat
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from dlmrt import evaluation
+    from dlmrt.eval import evaluation
 
     console = Console(stderr=True)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -564,6 +488,3 @@ def results_table(results: Sequence[SettingScore], title: str) -> Table:
         table.add_row(r.setting.label, *scores, f"{r.score.mean:.1%}", f"{metrics.tpf:.2f}",
                       f"{metrics.tokens_per_s:.0f}", f"{metrics.nfe}")
     return table
-
-if __name__ == "__main__":
-    run()

@@ -1,0 +1,3 @@
+from dlmrt.cli.commands import run
+
+run()

@@ -1,0 +1,89 @@
+"""Opening the backend that `--backend`, `--model`, `--mode` and `--device` name, for every command
+that decodes (generate, eval, bench, serve)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from dlmrt import TINY_MODEL_DIR
+from dlmrt.cli.errors import require_onnx_extra, require_trt_extra
+
+
+def resolve_device(backend: str, device: str) -> str:
+    """--device for --backend: auto is the GPU where the backend can run on one."""
+    import torch
+
+    if backend == "trt":
+        if device == "cpu":
+            raise click.UsageError("--backend trt runs on the GPU: drop --device cpu, or use --backend torch or ort")
+        return "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise click.UsageError(f"--device cuda: torch {torch.__version__} sees no CUDA GPU here; use --device cpu")
+    if device != "auto":
+        return device
+    if not torch.cuda.is_available():
+        return "cpu"
+    if backend == "ort":
+        import onnxruntime
+
+        return "cuda" if "CUDAExecutionProvider" in onnxruntime.get_available_providers() else "cpu"
+    return "cuda"
+
+
+def open_backend(backend: str, model_dir: Path | None, *, dtype: str, mode: str, max_batch: int,
+                 device: str, engines: Path | None, precision: str | None, console):
+    """(model, backend) for --backend: the model is what text in and out needs (a Denoiser, or an
+    export's ExportedModel); the backend is None for the reference loop, which runs the model itself."""
+    if backend != "torch" and mode != "auto":
+        raise click.UsageError(f"--mode applies to --backend torch; --backend {backend} runs its own way")
+    if backend != "trt" and (engines is not None or precision is not None):
+        raise click.UsageError("--engines and --precision apply to --backend trt")
+    if backend == "ort":
+        require_onnx_extra()
+        from dlmrt.core.home import home
+        from dlmrt.runtime.exported_model import ExportedModel
+        from dlmrt.runtime.ort_backend import OrtBackend
+
+        export_dir = ensure_exported(Path(model_dir or TINY_MODEL_DIR), dtype, console)
+        exported = ExportedModel.load(export_dir)
+        if exported.noise == "uniform":  # DiffusionGemma's encoder and decoder graphs, on the CPU
+            from dlmrt.runtime.ort_canvas import OrtCanvasBackend
+
+            return exported, OrtCanvasBackend(export_dir, device="cpu" if device == "auto" else
+                                              resolve_device(backend, device))
+        # optimized graphs are kept, for faster starts after the first
+        return exported, OrtBackend(export_dir, device=resolve_device(backend, device),
+                                    optimized_model_dir=home() / "ort")
+    device = resolve_device(backend, device)
+    if backend == "trt":
+        require_trt_extra()
+        from dlmrt.runtime.exported_model import ExportedModel
+        from dlmrt.runtime.trt_backend import TrtBackend
+
+        if model_dir is None:
+            raise click.UsageError("--backend trt needs --model EXPORT_DIR, the export the engines were built from")
+        trt_backend = TrtBackend(model_dir, engines, precision=precision)
+        return ExportedModel.load(model_dir), trt_backend
+    import dlmrt
+    from dlmrt.runtime.torch_backend import TorchBackend
+
+    model = dlmrt.load(model_dir or TINY_MODEL_DIR, dtype=dtype, device=device)
+    return model, (TorchBackend(model, mode=mode, max_batch=max_batch) if backend == "torch" else None)
+
+
+def ensure_exported(model_dir: Path, dtype: str, console) -> Path:
+    """`model_dir` if it is an export, else its export in the cache (made on first use)."""
+    from dlmrt.export.export_manifest import ExportManifest
+    from dlmrt.export.onnx_export import cached_export_dir, export
+
+    if ExportManifest.present(model_dir):
+        return model_dir
+    target = cached_export_dir(model_dir, dtype)
+    if not ExportManifest.present(target):
+        import dlmrt
+
+        with console.status(f"exporting {model_dir} to {target} (once)"):
+            export(dlmrt.load(model_dir, dtype=dtype), target)
+    return target
