@@ -1,5 +1,5 @@
 """The step graph as a torch module: the denoiser forward over a window, fused with
-`dlmrt::ParallelUnmask` on the block inside it (DESIGN.md, "Step graph").
+`dlmrt::ParallelUnmask` on the block inside it (docs/architecture.md, "Step graph").
 
 Two graphs cover every cache mode:
 

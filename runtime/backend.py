@@ -1,17 +1,23 @@
-"""The backend contract: run K steps of a step graph on a bucket's static buffers, in place.
+"""The backend contract: a graph runner under the one executor (`dlmrt.runtime.executor`).
 
-A backend owns the state of each shape bucket (`dlmrt.runtime.device_state`): `prepare(bucket)` hands
-out its buffers, allocated once; `prepare_steps` is where a step of one kind, run K times back to
-back, is compiled or captured; `run` enqueues those K steps without reading anything back. The step
-itself is `dlmrt.runtime.device_step.step`, the same function for every backend: what differs is how
-the step graph runs (eager torch, torch.compile, a CUDA graph, an ONNX Runtime session). The loop
-never knows which backend runs the step.
+A backend owns the state of each shape bucket: `prepare(bucket, owner)` hands out its static buffers,
+allocated once (`DeviceState` for a mask model's `Bucket`, `CanvasState` for a uniform-noise model's
+`CanvasBucket`). Its own job is to run graphs: it binds a step program's graphs to a state's buffers
+(`step_graph` for the masked step, `uniform_graphs` for the uniform-noise step) and, for a
+uniform-noise model, runs the encoder that commits a block to the cache (`encode`). Everything above
+that, the K-step loop, the runner cache, compile, capture and the eager fallback, is the executor's:
+`prepare_steps` and `run` hand the program to it. The loop never knows which backend runs the step.
+
+Backends that run exported graphs (ONNX Runtime, TensorRT) are a `BindingBackend`: they bind a named
+graph to input and output buffers and get back a callable (`bind`), from which both step programs'
+graphs are made.
 """
 
 from __future__ import annotations
 
 import weakref
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -22,10 +28,15 @@ from dlmrt.core.errors import ArgumentError
 if TYPE_CHECKING:
     from pathlib import Path
 
+    from torch import Tensor
+
     from dlmrt.export.export_manifest import ExportManifest
-    from dlmrt.runtime.canvas_state import CanvasBucket, CanvasState
+    from dlmrt.export.models.denoiser import LayerGroupKV
+    from dlmrt.runtime.canvas_state import CacheGroup, CanvasBucket, CanvasState
+    from dlmrt.runtime.canvas_step import CanvasGraphs
     from dlmrt.runtime.device_state import Bucket, BucketLadder, DeviceState
     from dlmrt.runtime.device_step import StepKind
+    from dlmrt.runtime.executor import StepProgram
 
 
 @dataclass(frozen=True)
@@ -73,10 +84,14 @@ class ModelSpec:
 
 
 class Backend(ABC):
-    def __init__(self, spec: ModelSpec, ladder: BucketLadder):
+    def __init__(self, spec: ModelSpec, ladder: BucketLadder, *, mode: str = "eager", on_failure: str = "raise",
+                 on_compile: Callable[[str], None] | None = None):
+        from dlmrt.runtime.executor import Executor
+
         self.spec, self.ladder = spec, ladder
-        self._states: dict[Bucket, DeviceState] = {}
-        self._owners: dict[Bucket, weakref.ref] = {}
+        self.executor = Executor(self, mode, on_failure, on_compile)
+        self._states: dict[Bucket | CanvasBucket, DeviceState | CanvasState] = {}
+        self._owners: dict[Bucket | CanvasBucket, weakref.ref] = {}
 
     def prepare(self, bucket: Bucket | CanvasBucket, owner: object) -> DeviceState | CanvasState:
         """The static state of `bucket` (allocated on first use) for `owner`, a running request: a
@@ -103,16 +118,70 @@ class Backend(ABC):
     def release(self, state: DeviceState | CanvasState) -> None:
         self._owners.pop(state.bucket, None)
 
-    def prepare_steps(self, state: DeviceState, kind: StepKind, steps: int) -> float:
-        """Make `steps` back-to-back steps of `kind` runnable on `state`: compile or capture them on
-        first use. Returns the seconds this call spent doing so."""
-        return 0.0
+    # -- the executor's ------------------------------------------------------------------------------------
+    def prepare_steps(self, state, program: StepProgram, steps: int) -> float:
+        """Make `steps` back-to-back steps of `program` runnable on `state` (bound, compiled or captured on
+        first use). Returns the seconds this call spent doing so."""
+        return self.executor.prepare(state, program, steps)
 
+    def run(self, state, program: StepProgram, steps: int) -> None:
+        """Enqueue `steps` steps of `program` on `state`, in place, without reading anything back."""
+        self.executor.run(state, program, steps)
+
+    # -- the graph runner's ------------------------------------------------------------------------------
     @abstractmethod
-    def run(self, state: DeviceState, kind: StepKind, steps: int) -> None:
-        """Enqueue `steps` steps of `kind` on `state`, in place, without reading anything back."""
+    def step_graph(self, state: DeviceState, kind: StepKind) -> Callable:
+        """The masked step graph of `kind` on `state`, as `device_step.step` calls it: inputs by name in,
+        GraphOutputs out."""
+
+    def uniform_graphs(self, state: CanvasState) -> CanvasGraphs:
+        """A uniform-noise model's decoder and soft tokens on `state`, as `canvas_step.step` calls them."""
+        raise ArgumentError(f"the {type(self).__name__} does not run uniform-noise models: use the torch or ort "
+                            f"backend for {self.spec.name}")
+
+    def cache_groups(self) -> tuple[CacheGroup, CacheGroup]:
+        """A uniform-noise model's cache shapes: its sliding and its full layers'."""
+        raise ArgumentError(f"{self.spec.name} is a mask model: it has no encoder cache")
+
+    def encode(self, ids: Tensor, positions: Tensor, key_mask: Tensor, cache: LayerGroupKV | None) -> LayerGroupKV:
+        """A uniform-noise model's cache commit: `cache` extended by the causal encoder's K/V of `ids`."""
+        raise ArgumentError(f"{self.spec.name} is a mask model: it has no encoder")
+
+    def binding_key(self, program: StepProgram) -> Hashable:
+        """What a state's bound graphs for `program` depend on."""
+        return program.binding_key
+
+    def around_steps(self, run: Callable[[], None]) -> Callable[[], None]:
+        """`run` (K eager steps) as this backend enqueues it: e.g. on a stream of its own."""
+        return run
+
+    def eager_graphs(self, state, program: StepProgram, graphs: object) -> object:
+        """The graphs an eager fallback runs, after `graphs` failed to compile or capture."""
+        return graphs
 
     def synchronize(self) -> None:
         """Wait for queued device work (for timing)."""
         if self.spec.device.type == "cuda":
             torch.cuda.synchronize(self.spec.device)
+
+
+class BindingBackend(Backend):
+    """A backend that runs exported graphs on static buffers it binds by name (ONNX Runtime, TensorRT)."""
+
+    every_output = False  # whether a binding needs a buffer for every output (TensorRT does)
+
+    @abstractmethod
+    def bind(self, graph: str, inputs: Mapping[str, Tensor], outputs: Mapping[str, Tensor]) -> Callable[[], None]:
+        """`graph` bound to static buffers by name; the callable runs it on them, in place."""
+
+    def step_graph(self, state: DeviceState, kind: StepKind) -> Callable:
+        from dlmrt.runtime.device_step import BoundStepGraph
+
+        return BoundStepGraph(self, state, kind)
+
+    def uniform_graphs(self, state: CanvasState) -> CanvasGraphs:
+        from dlmrt.runtime.canvas_step import BoundCanvasGraphs
+
+        if self.spec.noise != "uniform":
+            return super().uniform_graphs(state)
+        return BoundCanvasGraphs(state, self.spec.vocab_size, self.bind)

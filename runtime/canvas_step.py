@@ -18,13 +18,17 @@ tokens, and K changes how many forwards run, never a token.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import Tensor
 
 from dlmrt.plugins.entropy_bound import RenoiseParams, entropy_bound_step, should_stop, stability
 from dlmrt.runtime.canvas_state import CanvasState
+
+if TYPE_CHECKING:
+    from dlmrt.runtime.backend import Backend
 
 
 class CanvasGraphs(Protocol):
@@ -60,6 +64,26 @@ class BoundCanvasGraphs:
         self.scaled.copy_(scaled_logits)
         self._soft_tokens()
         return self.z
+
+
+@dataclass(frozen=True)
+class UniformStep:
+    """The uniform-noise step as a step program (`dlmrt.runtime.executor.StepProgram`): one kind per model."""
+
+    binding_key: str = "uniform"
+
+    def bind(self, backend: Backend, state: CanvasState) -> CanvasGraphs:
+        return backend.uniform_graphs(state)
+
+    def step(self, state: CanvasState, graphs: CanvasGraphs) -> None:
+        step(state, graphs)
+
+    def describe(self, state: CanvasState) -> str:
+        bucket = state.bucket
+        return f"a batch of {bucket.batch} x {bucket.width} after {bucket.storage} cached"
+
+
+UNIFORM_STEP = UniformStep()
 
 
 def step(state: CanvasState, graphs: CanvasGraphs) -> None:

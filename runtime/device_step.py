@@ -48,7 +48,7 @@ from dlmrt.export.step_graph import POLICY_INPUTS, graph_name
 from dlmrt.runtime.device_state import DeviceState
 
 if TYPE_CHECKING:
-    from dlmrt.runtime.backend import ModelSpec
+    from dlmrt.runtime.backend import Backend, BindingBackend, ModelSpec
 
 
 @dataclass(frozen=True)
@@ -76,6 +76,17 @@ class StepKind:
 
     def whole_canvas(self, canvas: int) -> bool:
         return self.start == 0 and self.window == canvas
+
+    # -- the step program (dlmrt.runtime.executor.StepProgram) --------------------------------------------
+    def bind(self, backend: Backend, state: DeviceState) -> Callable[[Mapping[str, Tensor]], GraphOutputs]:
+        allocate(state, self)
+        return backend.step_graph(state, self)
+
+    def step(self, state: DeviceState, graph: Callable[[Mapping[str, Tensor]], GraphOutputs]) -> None:
+        step(state, self, graph)
+
+    def describe(self, state: DeviceState) -> str:
+        return f"a batch of {state.bucket.batch} x {state.bucket.canvas}"
 
 
 class GraphOutputs(NamedTuple):
@@ -142,6 +153,23 @@ def graph_outputs(outputs: Mapping[str, Tensor], kind: StepKind) -> GraphOutputs
     """What `apply` reads of the bound output buffers."""
     return GraphOutputs(outputs["new_ids"], outputs["kv"] if kind.writes else None, outputs.get("next_z"),
                         outputs.get("next_certainty"))
+
+
+class BoundStepGraph:
+    """The exported step graph of `kind` bound once to a bucket's buffers, for a backend that binds
+    (`BindingBackend`): `graph_inputs` in, `output_buffers` out; a call runs it and returns what
+    `apply` reads. It holds every buffer it binds, so that they live as long as the binding."""
+
+    def __init__(self, backend: BindingBackend, state: DeviceState, kind: StepKind):
+        self.state = state
+        self.inputs = graph_inputs(state, kind)
+        self.outputs = output_buffers(backend.spec, state, kind, every_output=backend.every_output)
+        self.results = graph_outputs(self.outputs, kind)
+        self.run = backend.bind(kind.graph(state.bucket.guided), self.inputs, self.outputs)
+
+    def __call__(self, inputs: Mapping[str, Tensor]) -> GraphOutputs:
+        self.run()
+        return self.results
 
 
 def graph_inputs(state: DeviceState, kind: StepKind) -> dict[str, Tensor]:

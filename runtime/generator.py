@@ -38,7 +38,7 @@ from dlmrt.runtime.metrics import GenerationMetrics, peak_memory_bytes, reset_pe
 from dlmrt.runtime.running_batch import BlockUpdate, CancelToken, RunningBatch
 from dlmrt.runtime.settings import GenerationSettings, check_request
 from dlmrt.runtime.text import completion
-from dlmrt.runtime.uniform_noise import CanvasBackend, UniformNoiseRun
+from dlmrt.runtime.uniform_noise import UniformNoiseRun
 
 __all__ = ["BlockUpdate", "CancelToken", "GenerationResult", "GenerationStream", "Generator", "RowOutput"]
 
@@ -87,9 +87,6 @@ class Generator:
         Closing the iterator early stops the computation."""
         check_request(self.spec, prompts, settings)
         if self.spec.noise == "uniform":
-            if not isinstance(self.backend, CanvasBackend):
-                raise ArgumentError(f"the {type(self.backend).__name__} does not run uniform-noise models yet: use "
-                                    f"the torch backend for {self.spec.name}")
             return GenerationStream(UniformNoiseRun(self.backend, prompts, settings, cancel, on_step))
         return GenerationStream(_Run(self.backend, prompts, settings, cancel, on_step))
 

@@ -1,25 +1,30 @@
-"""OrtBackend: the exported step graphs (`dlmrt export`) run by ONNX Runtime, with IO binding.
-
-One session per graph (`full`, `cached`, and the guided ones). A step is `device_step.step`, as for
-every backend, with the session as its step graph: for each bucket and step kind an IO binding is
-made once, with the state's static buffers (or the window buffers `device_step.gather` refills) as
-inputs and static output buffers, so a step binds and copies nothing. The whole-canvas refresh
-writes its K/V straight into the cache storage, and a step that writes no cache binds no K/V
-output.
+"""OrtBackend: the exported graphs (`dlmrt export`) run by ONNX Runtime, with IO binding.
 
     OrtBackend(export_dir)                  # the CPU provider
     OrtBackend(export_dir, device="cuda")   # the CUDA provider (`dlmrt[onnx-gpu]`), over CUDA graphs
+
+One session per graph of the export. A mask model's export has the step graphs (`full`, `cached`,
+and the guided ones); a uniform-noise model's (DiffusionGemma) has `encode` (the cache commit; the
+prompt runs it over an empty prefix), `decode` (the denoising step) and `soft_tokens` (the next
+step's self-conditioning, over the embedding matrix exported beside it). As a graph runner it binds
+a graph to static buffers once (`bind`: an IO binding per bucket and step kind, with the state's
+buffers, or the window buffers `device_step.gather` refills, as inputs), so a step binds and copies
+nothing; the executor runs the steps. The whole-canvas refresh writes its K/V straight into the cache
+storage. The encoder runs once per block on numpy arrays over the same memory.
 
 On CUDA the buffers live on the GPU and are bound there; ONNX Runtime runs on the backend's own
 CUDA stream (its `user_compute_stream`), ordered after and before the torch stream the loop runs
 on by stream waits, so no run synchronizes with the host. With `enable_cuda_graph` each binding (a
 bucket and step kind, whose shapes and addresses never change) carries its own graph annotation,
 as onnxruntime-genai gives each batch size one: ONNX Runtime captures a graph per annotation on its
-first runs and replays it after.
+first runs and replays it after. Uniform-noise exports run on the CPU, whose sessions do not spin
+between runs: the step samples in torch between the decode and soft_tokens runs, and spinning
+threads would take the cores it needs.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -29,10 +34,10 @@ import torch
 
 from dlmrt.core.errors import ArgumentError, MissingExtraError
 from dlmrt.export.export_manifest import ExportManifest
-from dlmrt.runtime import device_step
-from dlmrt.runtime.backend import Backend, ModelSpec
-from dlmrt.runtime.device_state import BucketLadder, DeviceState
-from dlmrt.runtime.device_step import GraphOutputs, StepKind
+from dlmrt.export.models.denoiser import LayerGroupKV
+from dlmrt.runtime.backend import BindingBackend, ModelSpec
+from dlmrt.runtime.canvas_state import CacheGroup, encoder_inputs, zero_cache
+from dlmrt.runtime.device_state import BucketLadder
 from dlmrt.runtime.ort_cache import OptimizedModelCache
 
 OPTIMIZATION_LEVELS = ("disable", "basic", "extended", "all")
@@ -44,19 +49,19 @@ _NUMPY = {torch.float32: np.float32, torch.float16: np.float16, torch.int64: np.
 NO_SYNC, GRAPH_ANNOTATION = "disable_synchronize_execution_providers", "gpu_graph_id"
 
 
-class _Binding:
-    """One IO binding of a session to a bucket's buffers, for one step kind."""
+class _SessionBinding:
+    """A session bound to static buffers by name (IO binding); a call runs it on them, in place."""
 
-    def __init__(self, session, state: DeviceState, kind: StepKind, inputs: dict[str, torch.Tensor],
-                 outputs: dict[str, torch.Tensor], run_options):
-        self.session, self.state, self.outputs = session, state, outputs  # the state stays alive with its binding
-        self.results = device_step.graph_outputs(outputs, kind)
-        self.run_options = run_options
+    def __init__(self, session, graph: str, inputs: Mapping[str, torch.Tensor], outputs: Mapping[str, torch.Tensor],
+                 run_options, observe: Callable[[str, Mapping[str, torch.Tensor]], None] | None):
+        self.session, self.graph, self.inputs, self.run_options, self.observe = (session, graph, inputs, run_options,
+                                                                                  observe)
         self.binding = io_binding(session, inputs, outputs)
 
-    def __call__(self, inputs) -> GraphOutputs:
+    def __call__(self) -> None:
+        if self.observe is not None:
+            self.observe(self.graph, self.inputs)
         self.session.run_with_iobinding(self.binding, self.run_options)
-        return self.results
 
 
 def io_binding(session, inputs: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor]):
@@ -105,12 +110,15 @@ def session_options(optimization: str, threads: int | None, *, spinning: bool = 
     return options
 
 
-class OrtBackend(Backend):
+class OrtBackend(BindingBackend):
     def __init__(self, export_dir: str | Path, *, device: str | torch.device = "cpu", cuda_graph: bool | None = None,
                  threads: int | None = None, optimization: str = "all",
-                 optimized_model_dir: str | Path | None = None):
+                 optimized_model_dir: str | Path | None = None,
+                 observe: Callable[[str, Mapping[str, torch.Tensor]], None] | None = None):
         """`cuda_graph` (default: on CUDA) annotates every binding with a CUDA graph of its own; on the
-        CPU the annotations are inert (the CPU provider captures nothing), which is how they are tested."""
+        CPU the annotations are inert (the CPU provider captures nothing), which is how they are tested.
+        `observe(graph, inputs)` sees each graph run's inputs by name, before the run, as the run reads
+        them (what calibration records)."""
         import onnxruntime as ort
 
         self.export_dir = Path(export_dir)
@@ -122,12 +130,17 @@ class OrtBackend(Backend):
                                             canvas_hint=spec.limits_hint))
         if optimization not in OPTIMIZATION_LEVELS:
             raise ArgumentError(f"optimization must be one of {', '.join(OPTIMIZATION_LEVELS)}, got {optimization!r}")
+        uniform = spec.noise == "uniform"
+        if uniform and device.type != "cpu":
+            raise ArgumentError(f"ONNX Runtime runs uniform-noise exports on the CPU only, not on {device.type}: "
+                                f"use --device cpu, or the torch backend")
         if self.spec.dtype not in _NUMPY:
             raise ArgumentError(f"{self.export_dir} holds {self.manifest.model.dtype} graphs, which ONNX "
                                 f"Runtime cannot run here (its CPU provider has no bfloat16 kernels): export in "
                                 f"float32 or float16 for ONNX Runtime; bfloat16 exports are for TensorRT")
         self.cuda_graph = device.type == "cuda" if cuda_graph is None else cuda_graph
         self.stream = None
+        self.observe = observe
         providers: list = ["CPUExecutionProvider"]
         if device.type == "cuda":
             if "CUDAExecutionProvider" not in ort.get_available_providers() or not torch.cuda.is_available():
@@ -140,7 +153,7 @@ class OrtBackend(Backend):
         cache = OptimizedModelCache(optimized_model_dir) if optimized_model_dir is not None else None
         self.sessions = {}
         for graph, entry in self.manifest.graphs.items():
-            options = session_options(optimization, threads)
+            options = session_options(optimization, threads, spinning=not uniform)
             source: str | bytes = str(self.export_dir / entry.file)
             self.manifest.check_graph(graph, onnx.load(source, load_external_data=False), source)
             external = f"{entry.file}.data" in self.manifest.files
@@ -160,38 +173,25 @@ class OrtBackend(Backend):
             self.sessions[graph] = ort.InferenceSession(source, options, providers=providers)
             if writing is not None:
                 cache.keep(writing, saved)
-        self._bindings: dict[tuple, _Binding] = {}
         self._annotations = {graph: 0 for graph in self.sessions}  # the last graph annotation of each session
 
-    def feeds(self, state: DeviceState, kind: StepKind) -> tuple[str, dict[str, torch.Tensor]]:
-        """The graph the next step of `kind` runs, and its inputs by name, gathered from the state
-        (the bound buffers themselves: copy them to keep them)."""
-        device_step.allocate(state, kind)
-        device_step.gather(state, kind)
-        return kind.graph(state.bucket.guided), device_step.graph_inputs(state, kind)
+    # -- the graph runner -------------------------------------------------------------------------------
+    def bind(self, graph: str, inputs: Mapping[str, torch.Tensor],
+             outputs: Mapping[str, torch.Tensor]) -> _SessionBinding:
+        return _SessionBinding(self.sessions[graph], graph, inputs, outputs, self._run_options(graph), self.observe)
 
-    def run(self, state: DeviceState, kind: StepKind, steps: int) -> None:
-        binding = self._binding(state, kind)
+    def around_steps(self, run: Callable[[], None]) -> Callable[[], None]:
         if self.stream is None:
-            for _ in range(steps):
-                device_step.step(state, kind, binding)
-            return
-        loop_stream = torch.cuda.current_stream(self.spec.device)
-        self.stream.wait_stream(loop_stream)
-        with torch.cuda.stream(self.stream):
-            for _ in range(steps):
-                device_step.step(state, kind, binding)
-        loop_stream.wait_stream(self.stream)
+            return run
+        device, stream = self.spec.device, self.stream
 
-    def _binding(self, state: DeviceState, kind: StepKind) -> _Binding:
-        key = (id(state), kind.binding_key)
-        if key not in self._bindings:
-            device_step.allocate(state, kind)
-            graph = kind.graph(state.bucket.guided)
-            self._bindings[key] = _Binding(self.sessions[graph], state, kind, device_step.graph_inputs(state, kind),
-                                           device_step.output_buffers(self.spec, state, kind),
-                                           self._run_options(graph))
-        return self._bindings[key]
+        def on_own_stream() -> None:
+            loop_stream = torch.cuda.current_stream(device)
+            stream.wait_stream(loop_stream)
+            with torch.cuda.stream(stream):
+                run()
+            loop_stream.wait_stream(stream)
+        return on_own_stream
 
     def _run_options(self, graph: str):
         import onnxruntime as ort
@@ -202,3 +202,27 @@ class OrtBackend(Backend):
             self._annotations[graph] += 1
             options.add_run_config_entry(GRAPH_ANNOTATION, str(self._annotations[graph]))
         return options
+
+    # -- a uniform-noise model's encoder ------------------------------------------------------------------
+    def cache_groups(self) -> tuple[CacheGroup, CacheGroup]:
+        """The fixed sizes of each cache group, from the decoder's contract: [layers, 2, B, heads, P, head size]."""
+        if self.spec.noise != "uniform":
+            return super().cache_groups()
+        inputs = {c.name: c.shape for c in self.manifest.graphs["decode"].inputs}
+        return tuple(CacheGroup(layers, heads, head)
+                     for layers, _, _, heads, _, head in (inputs[name] for name in ("past_sliding", "past_full")))
+
+    def encode(self, ids: torch.Tensor, positions: torch.Tensor, key_mask: torch.Tensor,
+               cache: LayerGroupKV | None) -> LayerGroupKV:
+        if self.spec.noise != "uniform":
+            return super().encode(ids, positions, key_mask, cache)
+        if cache is None:  # the prompt
+            cache = zero_cache(self.cache_groups(), ids.shape[0], 0, self.spec.dtype)
+        return LayerGroupKV(*self._run("encode", encoder_inputs(ids, positions, key_mask, cache)))
+
+    def _run(self, graph: str, feeds: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+        """`graph` on copies of `feeds`, outside any binding."""
+        if self.observe is not None:
+            self.observe(graph, feeds)
+        arrays = {name: np.ascontiguousarray(tensor.detach().cpu().numpy()) for name, tensor in feeds.items()}
+        return [torch.from_numpy(array) for array in self.sessions[graph].run(None, arrays)]

@@ -9,17 +9,16 @@ refuses one that does not fit, naming the `dlmrt build` command that makes one t
 
 This module is the thin layer that calls TensorRT, in the order Polygraphy's loaders and runners use:
 register the dlmrt plugins, deserialize each graph's engine, create one execution context per engine
-(each has one optimization profile). For each bucket and step kind a binding sets the input shapes
-and the address of every input and output once, on the bucket's static buffers; a step makes its
-binding current on the context (a no-op while the same kind runs on) and enqueues with
-`execute_async_v3` on the torch stream. On CUDA, `prepare_steps` captures K steps of a kind into one
-CUDA graph (`dlmrt.runtime.cuda_graphs`), as TensorRT-LLM captures its `enqueueV3`; the addresses
-never move, so a graph is captured once and never updated.
+(each has one optimization profile). As a graph runner it binds a graph to static buffers once per
+bucket and step kind (`bind`): the input shapes and the address of every input and output, on the
+bucket's buffers; a step makes its binding current on the context (a no-op while the same kind runs
+on) and enqueues with `execute_async_v3` on the torch stream. On CUDA the executor captures K steps
+into one CUDA graph (`dlmrt.runtime.cuda_graphs`), as TensorRT-LLM captures its `enqueueV3`; the
+addresses never move, so a graph is captured once and never updated.
 
 A uniform-noise export (DiffusionGemma) has three engines instead: the decoder and soft-token engines
-are bound once per canvas bucket to its static buffers and run by `dlmrt.runtime.canvas_step` (K
-steps captured into one CUDA graph on CUDA), and the encoder runs once per block on buffers made
-for that block, since its prefix grows from block to block.
+are bound like the step graphs, and the encoder runs once per block on buffers made for that block,
+since its prefix grows from block to block.
 
 The binding contract is tested on the CPU against a recording fake of these TensorRT calls that runs
 the exported graphs with ONNX Runtime at the bound addresses (tests/fake_tensorrt.py).
@@ -28,9 +27,7 @@ the exported graphs with ONNX Runtime at the bound addresses (tests/fake_tensorr
 from __future__ import annotations
 
 import dataclasses
-import functools
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -42,12 +39,9 @@ from dlmrt.core.errors import ArgumentError, DlmrtError, MissingExtraError
 from dlmrt.export.export_manifest import CANVAS_GRAPHS, ExportManifest
 from dlmrt.plugins import register_tensorrt_plugins
 from dlmrt.export.models.denoiser import LayerGroupKV
-from dlmrt.runtime import canvas_step, cuda_graphs, device_step
-from dlmrt.runtime.backend import Backend, ModelSpec
-from dlmrt.runtime.canvas_state import CacheGroup, CanvasState, encoder_inputs, zero_cache
-from dlmrt.runtime.device_state import BucketLadder, DeviceState
-from dlmrt.runtime.device_step import StepKind
-from dlmrt.runtime.uniform_noise import CanvasBackend
+from dlmrt.runtime.backend import BindingBackend, ModelSpec
+from dlmrt.runtime.canvas_state import CacheGroup, encoder_inputs, zero_cache
+from dlmrt.runtime.device_state import BucketLadder
 
 
 class EngineRunError(DlmrtError):
@@ -63,7 +57,9 @@ def import_tensorrt():
     return tensorrt
 
 
-class TrtBackend(Backend, CanvasBackend):
+class TrtBackend(BindingBackend):
+    every_output = True  # TensorRT needs an address for every output
+
     def __init__(self, export_dir: str | Path, engines: str | Path | None = None, *, precision: str | None = None,
                  tensorrt=None, plugins: Callable[[], None] = register_tensorrt_plugins,
                  capability: tuple[int, int] | None = None, device: str | torch.device = "cuda"):
@@ -91,7 +87,8 @@ class TrtBackend(Backend, CanvasBackend):
         highest = {name: profiles.parse_range(text, name, least=0).max for name, text in record["ranges"].items()}
         longest = min(manifest.limits.max_length, *(highest[name] for name in ("window", "prefix") if name in highest))
         super().__init__(spec, BucketLadder(highest["batch"], longest, batch_hint=self.rebuild_hint,
-                                            canvas_hint=self.rebuild_hint))
+                                            canvas_hint=self.rebuild_hint),
+                         mode="cudagraph" if device.type == "cuda" else "eager")
         plugins()  # before deserializing: the engines hold the dlmrt plugins
         runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
         self._engines, self._contexts = {}, {}
@@ -103,51 +100,13 @@ class TrtBackend(Backend, CanvasBackend):
             self._engines[graph] = engine
             self._contexts[graph] = engine.create_execution_context()
         self._trt = trt
-        self._bindings: dict[tuple, _EngineBinding] = {}
         self._current: dict[str, _EngineBinding] = {}  # per graph: the binding its context is set up for
-        self._runners: dict[tuple, Callable[[], None]] = {}
-        self._canvas_graphs: dict[int, canvas_step.BoundCanvasGraphs] = {}  # per canvas state
-        self._pool = None
 
-    def _binding(self, state: DeviceState, kind: StepKind) -> _EngineBinding:
-        key = (id(state), kind.binding_key)
-        if key not in self._bindings:
-            device_step.allocate(state, kind)
-            outputs = device_step.output_buffers(self.spec, state, kind, every_output=True)
-            self._bindings[key] = _EngineBinding(self, kind.graph(state.bucket.guided),
-                                                 device_step.graph_inputs(state, kind), outputs,
-                                                 device_step.graph_outputs(outputs, kind))
-        return self._bindings[key]
+    def bind(self, graph: str, inputs: Mapping[str, torch.Tensor],
+             outputs: Mapping[str, torch.Tensor]) -> Callable[[], None]:
+        return _EngineBinding(self, graph, dict(inputs), dict(outputs))
 
-    def _steps(self, state: DeviceState, kind: StepKind, steps: int) -> None:
-        binding = self._binding(state, kind)
-        for _ in range(steps):
-            device_step.step(state, kind, binding)
-
-    def prepare_steps(self, state: DeviceState, kind: StepKind, steps: int) -> float:
-        self._binding(state, kind)
-        return self._prepare((id(state), kind, steps), state, lambda: self._steps(state, kind, steps))
-
-    def _prepare(self, key: tuple, state, run_steps: Callable[[], None]) -> float:
-        """The runner of `key` (a state's id, what it runs, and K) on first use: on CUDA the steps
-        captured into a CUDA graph, elsewhere the steps themselves. Returns the seconds spent."""
-        if key in self._runners:
-            return 0.0
-        started = time.perf_counter()
-        if self.spec.device.type == "cuda":
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
-            self._runners[key] = cuda_graphs.capture(run_steps, state, self.spec.device, self._pool)
-        else:
-            self._runners[key] = run_steps
-        return time.perf_counter() - started
-
-    @torch.no_grad()
-    def run(self, state: DeviceState, kind: StepKind, steps: int) -> None:
-        self.prepare_steps(state, kind, steps)
-        self._runners[(id(state), kind, steps)]()
-
-    # -- CanvasBackend: a uniform-noise model's encode, decode and soft_tokens engines -----------------
+    # -- a uniform-noise model's encoder --------------------------------------------------------------
     def cache_groups(self) -> tuple[CacheGroup, CacheGroup]:
         shapes = (tuple(self._engines["decode"].get_tensor_shape(name)) for name in ("past_sliding", "past_full"))
         return tuple(CacheGroup(layers, heads, head) for layers, _, _, heads, _, head in shapes)
@@ -172,23 +131,6 @@ class TrtBackend(Backend, CanvasBackend):
         self._current.pop("encode", None)
         binding = _EngineBinding(self, "encode", inputs, outputs, LayerGroupKV(*outputs.values()))
         return binding()
-
-    def prepare_canvas_steps(self, state: CanvasState, steps: int) -> float:
-        key = id(state)
-        if key not in self._canvas_graphs:
-            self._canvas_graphs[key] = canvas_step.BoundCanvasGraphs(state, self.spec.vocab_size,
-                                                                     functools.partial(_EngineBinding, self))
-        graphs = self._canvas_graphs[key]
-
-        def run_steps():
-            for _ in range(steps):
-                canvas_step.step(state, graphs)
-        return self._prepare((key, "canvas", steps), state, run_steps)
-
-    @torch.no_grad()
-    def run_canvas(self, state: CanvasState, steps: int) -> None:
-        self.prepare_canvas_steps(state, steps)
-        self._runners[(id(state), "canvas", steps)]()
 
 
 class _EngineBinding:

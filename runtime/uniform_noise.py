@@ -27,7 +27,6 @@ alone, on every backend.
 from __future__ import annotations
 
 import time
-from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
@@ -36,11 +35,13 @@ from torch import Tensor
 
 from dlmrt.export.models.denoiser import LayerGroupKV
 from dlmrt.plugins.entropy_bound import pad_after_eos, temperature_schedule
-from dlmrt.runtime.canvas_state import CacheGroup, CanvasBucket, CanvasState
+from dlmrt.runtime.canvas_state import CanvasBucket, CanvasState
+from dlmrt.runtime.canvas_step import UNIFORM_STEP
 from dlmrt.runtime.metrics import GenerationMetrics, peak_memory_bytes, reset_peak_memory
 from dlmrt.runtime.text import completion
 
 if TYPE_CHECKING:
+    from dlmrt.runtime.backend import Backend
     from dlmrt.runtime.generator import BlockUpdate, CancelToken, GenerationResult
     from dlmrt.runtime.policies import EntropyBound
     from dlmrt.runtime.settings import GenerationSettings
@@ -50,32 +51,10 @@ if TYPE_CHECKING:
 CUDA_STEPS_PER_SYNC = 8
 
 
-class CanvasBackend(ABC):
-    """What the loop asks of a backend that runs a uniform-noise model (beside `Backend.prepare`,
-    which hands out a `CanvasState` for a `CanvasBucket`)."""
-
-    @abstractmethod
-    def cache_groups(self) -> tuple[CacheGroup, CacheGroup]:
-        """The shapes of the sliding and the full layers' cache."""
-
-    @abstractmethod
-    def encode(self, ids: Tensor, positions: Tensor, key_mask: Tensor, cache: LayerGroupKV | None) -> LayerGroupKV:
-        """The cache commit: `cache` extended by the causal encoder's K/V of `ids [B, T]`."""
-
-    def prepare_canvas_steps(self, state: CanvasState, steps: int) -> float:
-        """Make `steps` back-to-back steps runnable on `state` (compile or capture them on first use);
-        returns the seconds this call spent doing so."""
-        return 0.0
-
-    @abstractmethod
-    def run_canvas(self, state: CanvasState, steps: int) -> None:
-        """Enqueue `steps` steps of `dlmrt.runtime.canvas_step` on `state`, reading nothing back."""
-
-
 class UniformNoiseRun:
     """One generate call of a uniform-noise model; `events()` yields a BlockUpdate per row and block."""
 
-    def __init__(self, backend: CanvasBackend, prompts: Sequence[Sequence[int]], settings: GenerationSettings,
+    def __init__(self, backend: Backend, prompts: Sequence[Sequence[int]], settings: GenerationSettings,
                  cancel: CancelToken | None, on_step: Callable[[], None] | None):
         self.backend, self.spec, self.settings = backend, backend.spec, settings
         self.policy: EntropyBound = settings.policy
@@ -179,9 +158,9 @@ class UniformNoiseRun:
             if self.cancel is not None and self.cancel.is_set():
                 return False
             count = min(per_read, steps - taken)
-            self.compile_s += self.backend.prepare_canvas_steps(self.state, count)
+            self.compile_s += self.backend.prepare_steps(self.state, UNIFORM_STEP, count)
             tick = time.perf_counter()
-            self.backend.run_canvas(self.state, count)
+            self.backend.run(self.state, UNIFORM_STEP, count)
             all_done = bool(self.state.done.all())  # the one host read per K steps
             self.backend_s += time.perf_counter() - tick
             taken += count

@@ -3,7 +3,7 @@
     python scripts/train_tiny.py --out DIR                          # from scratch, every task
     python scripts/train_tiny.py --init DIR --steps 2000 --lr 1e-3 --out DIR2   # continue a model
 
-The shipped model was trained in two stages (README, "The tiny model"): 3,000 steps from scratch
+The shipped model was trained in two stages (docs/tiny-model.md): 3,000 steps from scratch
 on `--tasks rev,sort,add`, then 2,000 steps from that model on every task.
 
 Masked-diffusion SFT as in LLaDA: the prompt stays clean; each row draws a

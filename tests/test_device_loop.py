@@ -62,17 +62,20 @@ def test_rows_alone_give_their_batched_tokens_with_sampling_and_orl(orl):
 
 # -- no graph breaks ----------------------------------------------------------------------------------
 class FullGraphProbe(TorchBackend):
-    """Runs each step kind as the K-step function compiled with fullgraph=True by dynamo and AOT autograd
-    (the `aot_eager` backend: the same tracing as inductor's, without its code generation)."""
+    """Runs each K-step runner (the executor's eager loop over K steps) compiled with fullgraph=True by
+    dynamo and AOT autograd (the `aot_eager` backend: the same tracing as inductor's, without its code
+    generation)."""
 
-    def _build(self, state, kind, steps):
-        graph = self._graph(state, kind, self.model)
-        compiled = torch.compile(self._steps, fullgraph=True, dynamic=False, backend="aot_eager")
+    def __init__(self, model):
+        super().__init__(model, mode="eager")
 
-        def run():  # dynamo keeps one graph per bucket, kind and K for the one K-step function
+    def around_steps(self, run):
+        compiled = torch.compile(run, fullgraph=True, dynamic=False, backend="aot_eager")
+
+        def probe():  # dynamo keeps one graph per bucket, kind and K for the one K-step function
             with torch._dynamo.config.patch(recompile_limit=1024, accumulated_recompile_limit=1024):
-                compiled(state, kind, steps, graph)
-        return run
+                compiled()
+        return probe
 
 
 FULLGRAPH_CASES = [
@@ -88,7 +91,7 @@ def test_the_k_step_function_compiles_without_a_graph_break(request, model_name,
     model = request.getfixturevalue(model_name)
     settings = GenerationSettings(8, 4, Threshold(0.3), cache=cache, cfg_scale=cfg_scale, temperature=temperature,
                                   seed=1, ignore_eos=True, steps_per_sync=2)
-    probe = Generator(FullGraphProbe(model, mode="compile")).generate(PROMPTS[:2], settings)
+    probe = Generator(FullGraphProbe(model)).generate(PROMPTS[:2], settings)
     assert torch.equal(probe.tokens, tokens(model, settings, PROMPTS[:2], mode="eager"))
 
 

@@ -30,8 +30,8 @@ from dlmrt.export.export_manifest import (CANVAS_GRAPHS, MANIFEST_FILE, ExportMa
 from dlmrt.export.models.residual import Residual  # noqa: E402
 from dlmrt.runtime import EntropyBound, GenerationSettings, Generator, Threshold  # noqa: E402
 from dlmrt.runtime.exported_model import ExportedModel  # noqa: E402
-from dlmrt.runtime.canvas_state import encoder_inputs  # noqa: E402
-from dlmrt.runtime.ort_canvas import OrtCanvasBackend  # noqa: E402
+from dlmrt.runtime.canvas_state import encoder_inputs, zero_cache  # noqa: E402
+from dlmrt.runtime.ort_backend import OrtBackend  # noqa: E402
 
 DATA = Path(__file__).parent / "data"
 MODEL_DIR = DATA / "diffusion_gemma"
@@ -60,15 +60,15 @@ def exported(model, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def backend(exported) -> OrtCanvasBackend:
-    return OrtCanvasBackend(exported, threads=1)
+def backend(exported) -> OrtBackend:
+    return OrtBackend(exported, threads=1)
 
 
 def ort_decode(backend, canvas, positions, key_mask, cache, soft_tokens):
     """One run of the decode graph: logits of `canvas` after `cache` (None: no context), conditioned on
     `soft_tokens` (None: the first step, z = 0)."""
     if cache is None:
-        cache = backend.empty_cache(canvas.shape[0])
+        cache = zero_cache(backend.cache_groups(), canvas.shape[0], 0, backend.spec.dtype)
     z = torch.zeros(*canvas.shape, backend.spec.hidden_size) if soft_tokens is None else soft_tokens.z
     feeds = encoder_inputs(canvas, positions, key_mask, cache)
     feeds["canvas"] = feeds.pop("ids")
@@ -283,7 +283,7 @@ def test_ort_gives_the_torch_tokens_of_the_trained_model(trained_export, setting
     model, exported = trained_export
     prompts = [model.tokenizer.encode(e.prompt).ids for e in tasks.examples("test", 4, 0)]
     expected = Generator(model, mode="eager").generate(prompts, settings)
-    got = Generator(OrtCanvasBackend(exported, threads=1)).generate(prompts, settings)
+    got = Generator(OrtBackend(exported, threads=1)).generate(prompts, settings)
     assert torch.equal(got.tokens, expected.tokens)
     assert got.metrics.nfe == expected.metrics.nfe
     assert [r.finish_reason for r in got.rows] == [r.finish_reason for r in expected.rows]
@@ -308,11 +308,11 @@ def test_requests_beyond_the_export_fail_before_any_compute(backend, monkeypatch
 
 @pytest.mark.slow
 def test_the_cli_runs_a_uniform_noise_export_on_ort_canvas(exported):
-    from dlmrt.cli.commands import main as cli
+    from dlmrt.cli.backends import open_backend
 
-    model, backend = cli.open_backend("ort", exported, dtype="float32", mode="auto", max_batch=8, device="auto",
-                                      engines=None, precision=None, console=None)
-    assert isinstance(backend, OrtCanvasBackend) and backend.spec.noise == "uniform"
+    model, backend = open_backend("ort", exported, dtype="float32", mode="auto", max_batch=8, device="auto",
+                                  engines=None, precision=None, console=None)
+    assert isinstance(backend, OrtBackend) and backend.spec.noise == "uniform"
     assert model.noise == "uniform" and model.default_block_length == 8
 
 
@@ -405,7 +405,7 @@ def test_the_engines_run_the_uniform_noise_loop_with_the_tokens_of_onnx_runtime_
     prompts = [model.tokenizer.encode(e.prompt).ids for e in tasks.examples("test", 1, 0)][:3]
     settings = GenerationSettings(32, 16, EntropyBound(steps=8), seed=5, ignore_eos=True)  # both blocks run
     got = Generator(backend).generate(prompts, settings)
-    assert torch.equal(got.tokens, Generator(OrtCanvasBackend(exported, threads=1)).generate(prompts, settings).tokens)
+    assert torch.equal(got.tokens, Generator(OrtBackend(exported, threads=1)).generate(prompts, settings).tokens)
     assert torch.equal(got.tokens, Generator(model, mode="eager").generate(prompts, settings).tokens)
     encode, decode, soft = (next(c for c in trt.contexts if c.engine.names[0] == name)
                             for name in ("ids", "canvas", "scaled_logits"))

@@ -24,8 +24,8 @@ def prompts():
 
 def annotations(backend: OrtBackend) -> dict[tuple, str]:
     """Each binding's (session, step kind, batch) and the CUDA graph annotation it runs with."""
-    return {(id(b.session), key[1], b.state.bucket): b.run_options.get_run_config_entry(GRAPH_ANNOTATION)
-            for key, b in backend._bindings.items()}
+    return {(id(b.run.session), key[1], b.state.bucket): b.run.run_options.get_run_config_entry(GRAPH_ANNOTATION)
+            for key, b in backend.executor.bound.items()}
 
 
 def test_every_bucket_and_step_kind_runs_its_own_cuda_graph(tiny_export, prompts):
@@ -43,7 +43,7 @@ def test_every_bucket_and_step_kind_runs_its_own_cuda_graph(tiny_export, prompts
     assert len(first) >= 4
     for found in by_session.values():
         assert len(set(found)) == len(found) and all(int(a) > 0 for a in found)  # 0 is ONNX Runtime's own
-    assert all(b.run_options.get_run_config_entry(NO_SYNC) == "1" for b in backend._bindings.values())
+    assert all(b.run.run_options.get_run_config_entry(NO_SYNC) == "1" for b in backend.executor.bound.values())
 
     again = [generator.generate(prompts[:n], settings).tokens for settings, n in runs]
     assert annotations(backend) == first
@@ -56,10 +56,10 @@ def test_every_bucket_and_step_kind_runs_its_own_cuda_graph(tiny_export, prompts
 def test_without_cuda_graphs_no_run_is_annotated(tiny_export, prompts):
     backend = OrtBackend(tiny_export)
     Generator(backend).generate(prompts[:1], GenerationSettings(16, 8, Threshold(0.9), cache="prefix"))
-    assert backend._bindings
-    for binding in backend._bindings.values():
+    assert backend.executor.bound
+    for binding in backend.executor.bound.values():
         with pytest.raises(RuntimeError, match="does not have configuration"):
-            binding.run_options.get_run_config_entry(GRAPH_ANNOTATION)
+            binding.run.run_options.get_run_config_entry(GRAPH_ANNOTATION)
 
 
 @pytest.mark.skipif(CUDA_PROVIDER, reason="onnxruntime-gpu and a GPU are present here")

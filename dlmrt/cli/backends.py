@@ -49,10 +49,8 @@ def open_backend(backend: str, model_dir: Path | None, *, dtype: str, mode: str,
         export_dir = ensure_exported(Path(model_dir or TINY_MODEL_DIR), dtype, console)
         exported = ExportedModel.load(export_dir)
         if exported.noise == "uniform":  # DiffusionGemma's encoder and decoder graphs, on the CPU
-            from dlmrt.runtime.ort_canvas import OrtCanvasBackend
-
-            return exported, OrtCanvasBackend(export_dir, device="cpu" if device == "auto" else
-                                              resolve_device(backend, device))
+            return exported, OrtBackend(export_dir, device="cpu" if device == "auto" else
+                                        resolve_device(backend, device))
         # optimized graphs are kept, for faster starts after the first
         return exported, OrtBackend(export_dir, device=resolve_device(backend, device),
                                     optimized_model_dir=home() / "ort")

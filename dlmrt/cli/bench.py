@@ -303,12 +303,11 @@ def make_cases(model, backends, prompts, settings, scratch: Path, console):
             require_onnx_extra()  # before the imports that need it
             from dlmrt.export.onnx_export import export
             from dlmrt.runtime.ort_backend import OrtBackend
-            from dlmrt.runtime.ort_canvas import OrtCanvasBackend
 
             with console.status(f"exporting {model.name} for ONNX Runtime"):
                 export_dir = export(model, scratch / "export", max_batch=len(prompts),
                                     max_length=len(prompts[0]) + settings.gen_length + settings.block_length)
-            generator = Generator((OrtCanvasBackend if model.noise == "uniform" else OrtBackend)(export_dir))
+            generator = Generator(OrtBackend(export_dir))
 
         def run(label=label, generator=generator):
             result = generator.generate(prompts, settings)

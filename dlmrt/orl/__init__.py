@@ -5,5 +5,5 @@ states its own decoding visits.
 - `objective`: cross-entropy on the masked positions plus the adjacent-entropy-contraction term;
 - `trainer`: the on-policy loop (rollouts, then updates), seeded, checkpointed atomically, resumable.
 
-`scripts/train_orl.py` runs it; the method and its choices are in the README ("ORL at small scale").
+`scripts/train_orl.py` runs it; the method and its choices are in docs/orl.md.
 """

@@ -15,7 +15,7 @@ classifier-free guidance on. The policy unmasks one token a step (LLaDA's schedu
 steps as tokens), so the recorded steps span every fraction of the block still masked.
 
 A uniform-noise export (DiffusionGemma) is decoded by its own loop in ONNX Runtime
-(OrtCanvasBackend) with the model's policy, and each run of the requested graph (`encode`, `decode`
+(OrtBackend) with the model's policy, and each run of the requested graph (`encode`, `decode`
 or `soft_tokens`) is recorded.
 """
 
@@ -31,7 +31,6 @@ import numpy as np
 
 from dlmrt.core import json_files
 from dlmrt.core.errors import DlmrtError
-from dlmrt.runtime.backend import Backend
 from dlmrt.runtime.settings import GenerationSettings
 
 DEFAULT_GEN_LENGTH = 64
@@ -94,24 +93,14 @@ def _encoded(model, prompts: str | Path | Sequence[str] | None, suite_count: int
     return [text.encode(model, prompt) for prompt in prompts]
 
 
-def _canvas_feeds(export_dir: str | Path, graph: str, prompts, count: int, seed: int, batch_size: int,
-                  settings: GenerationSettings | None) -> list[dict[str, np.ndarray]]:
-    """Calibration inputs of a uniform-noise export's graph (`encode`, `decode` or `soft_tokens`),
-    recorded from its uniform-noise loop in ONNX Runtime; the policy is the model's own (its
+def _record_canvas(backend, feeds: list, export_dir: str | Path, prompts, count: int, seed: int, batch_size: int,
+                   settings: GenerationSettings | None) -> None:
+    """Decode until `feeds` holds `count` inputs of a uniform-noise export's graph (`encode`, `decode` or
+    `soft_tokens`), recorded by `backend` from the uniform-noise loop; the policy is the model's own (its
     generation_config.json, else the public defaults), over as many whole canvases as fit."""
     from dlmrt.runtime import GenerationSettings, Generator, make_policy
     from dlmrt.runtime.exported_model import ExportedModel
-    from dlmrt.runtime.ort_canvas import OrtCanvasBackend
 
-    feeds: list[dict[str, np.ndarray]] = []
-
-    def record(name: str, inputs) -> None:
-        if name == graph and len(feeds) < count:  # copies: the loop updates its buffers in place
-            feeds.append({key: tensor.numpy().copy() for key, tensor in inputs.items()})
-
-    backend = OrtCanvasBackend(export_dir, observe=record)
-    if graph not in backend.sessions:
-        raise CalibrationError(f"{export_dir} has no {graph!r} graph (it has {', '.join(backend.sessions)})")
     model = ExportedModel.load(export_dir)
     ids = _encoded(model, prompts, count * batch_size, seed)
     if settings is None:
@@ -123,38 +112,21 @@ def _canvas_feeds(export_dir: str | Path, graph: str, prompts, count: int, seed:
                                    f"calibration prompts")
         policy = make_policy("entropy_bound", generation_config=model.generation_config)
         settings = GenerationSettings(gen_length=canvas * min(room // canvas, 2), block_length=canvas, policy=policy)
-    generator = Generator(backend)
-    batch_size = min(batch_size, backend.ladder.max_batch)
+    settings = replace(settings, seed=seed)
+    _decode_until(count, feeds, Generator(backend), ids, min(batch_size, backend.ladder.max_batch),
+                  lambda: settings)
+
+
+def _decode_until(count: int, feeds: list, generator, ids: list[list[int]], batch_size: int, settings_of_batch) -> None:
+    """Decode `ids` a batch at a time, each batch with `settings_of_batch()`, until `feeds` holds `count`."""
     for start in range(0, len(ids), batch_size):
-        stream = generator.stream(ids[start:start + batch_size], replace(settings, seed=seed))
+        stream = generator.stream(ids[start:start + batch_size], settings_of_batch())
         for _ in stream:
             if len(feeds) >= count:
                 stream.close()
                 break
         if len(feeds) >= count:
             break
-    return feeds
-
-
-class _Recorder(Backend):
-    """An OrtBackend that keeps a copy of the inputs of each step that runs `graph`."""
-
-    def __init__(self, backend, graph: str, count: int):
-        super().__init__(backend.spec, backend.ladder)
-        self.backend, self.graph, self.count = backend, graph, count
-        self.feeds: list[dict[str, np.ndarray]] = []
-
-    @property
-    def full(self) -> bool:
-        return len(self.feeds) >= self.count
-
-    def run(self, state, kind, steps: int) -> None:
-        for _ in range(steps):
-            graph, feeds = self.backend.feeds(state, kind)
-            if graph == self.graph and not self.full:
-                # Copies: the loop updates the state in place.
-                self.feeds.append({name: tensor.numpy().copy() for name, tensor in feeds.items()})
-            self.backend.run(state, kind, 1)
 
 
 def default_settings(generation_config: dict, default_block_length: int | None, max_length: int,
@@ -199,13 +171,21 @@ def calibration_feeds(export_dir: str | Path, graph: str = "full", prompts: str 
         raise CalibrationError(f"the calibration count must be positive, got {count}")
     if batch_size <= 0:
         raise CalibrationError(f"the calibration batch size must be positive, got {batch_size}")
-    if ExportedModel.load(export_dir).noise == "uniform":
-        return _canvas_feeds(export_dir, graph, prompts, count, seed, batch_size, settings)
-    backend = OrtBackend(export_dir)
+    feeds: list[dict[str, np.ndarray]] = []
+
+    def record(name: str, inputs) -> None:
+        if name == graph and len(feeds) < count:  # copies: the loop updates the state in place
+            feeds.append({key: tensor.numpy().copy() for key, tensor in inputs.items()})
+
+    backend = OrtBackend(export_dir, observe=record)
+    uniform = backend.spec.noise == "uniform"
     if graph not in backend.sessions:
-        raise CalibrationError(f"{export_dir} has no {graph!r} graph (it has {', '.join(backend.sessions)}): "
-                               f"pick one of those, or re-export with `dlmrt export --guidance` for the guided "
-                               f"graphs")
+        hint = "" if uniform else (": pick one of those, or re-export with `dlmrt export --guidance` for the guided "
+                                   "graphs")
+        raise CalibrationError(f"{export_dir} has no {graph!r} graph (it has {', '.join(backend.sessions)}){hint}")
+    if uniform:
+        _record_canvas(backend, feeds, export_dir, prompts, count, seed, batch_size, settings)
+        return feeds
     model = ExportedModel.load(export_dir)
     batch_size = min(batch_size, backend.ladder.max_batch)
     ids = _encoded(model, prompts, count * batch_size, seed)
@@ -213,15 +193,6 @@ def calibration_feeds(export_dir: str | Path, graph: str = "full", prompts: str 
         settings = default_settings(model.generation_config, model.default_block_length, backend.spec.max_positions,
                                     max(map(len, ids)))
     settings = replace(settings, seed=seed, cfg_scale=GUIDANCE_SCALE if graph.endswith("_guided") else 0.0)
-    recorder = _Recorder(backend, graph, count)
-    generator = Generator(recorder)
     modes = itertools.cycle(_cache_modes(graph, backend.spec.block_causal))
-    for start in range(0, len(ids), batch_size):
-        stream = generator.stream(ids[start:start + batch_size], replace(settings, cache=next(modes)))
-        for _ in stream:
-            if recorder.full:
-                stream.close()
-                break
-        if recorder.full:
-            break
-    return recorder.feeds
+    _decode_until(count, feeds, Generator(backend), ids, batch_size, lambda: replace(settings, cache=next(modes)))
+    return feeds
