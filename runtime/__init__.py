@@ -6,12 +6,25 @@
 The reference loop (`dlmrt.runtime.reference`) is the plain oracle the Generator is tested against.
 """
 
-from dlmrt.runtime.generator import BlockUpdate, GenerationResult, GenerationStream, Generator, RowOutput
-from dlmrt.runtime.metrics import GenerationMetrics
-from dlmrt.runtime.policies import (POLICIES, Dream, EntropyBound, Factor, Fixed, LLaDA2, LLaDA21, Policy, Residual,
-                                    Threshold, make_policy)
-from dlmrt.runtime.settings import CACHE_MODES, GenerationSettings
+import importlib
 
-__all__ = ["CACHE_MODES", "POLICIES", "BlockUpdate", "Dream", "EntropyBound", "Factor", "Fixed", "GenerationMetrics",
-           "GenerationResult", "GenerationSettings", "GenerationStream", "Generator", "LLaDA2", "LLaDA21", "Policy",
-           "Residual", "RowOutput", "Threshold", "make_policy"]
+# Each name's module, imported on first use: so that the torch-free modules (`policy_registry`, which
+# `dlmrt --help` reads) import without the rest.
+_MODULE_OF = {
+    **dict.fromkeys(("BlockUpdate", "GenerationResult", "GenerationStream", "Generator", "RowOutput"), "generator"),
+    "GenerationMetrics": "metrics",
+    **dict.fromkeys(("Dream", "EntropyBound", "Factor", "Fixed", "LLaDA2", "LLaDA21", "MaskPolicy", "Policy",
+                     "ResidualPolicy", "Threshold", "make_policy"), "policies"),
+    "POLICIES": "policy_registry",
+    **dict.fromkeys(("CACHE_MODES", "GenerationSettings"), "settings"),
+}
+
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str):
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_MODULE_OF[name]}"), name)
+    globals()[name] = value
+    return value

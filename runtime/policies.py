@@ -7,22 +7,16 @@ Fast-dLLM's `factor`, and for token editing an `edit_threshold` and the
 editing-only steps a block may take after its last mask (`post_steps`).
 Changing a policy or its parameters never needs a new graph or engine.
 
-| policy | count per step | threshold | factor |
-|---|---|---|---|
-| `fixed` | LLaDA schedule over the block's masked count | off | off |
-| `threshold` | 1 | tau (>=) | off |
-| `factor` | 1 | off | f |
-| `llada2` | LLaDA schedule over the block length | tau (strictly >) | off |
-| `llada21` | `num_to_transfer` | tau (strictly >), plus editing above the editing threshold | off |
-| `dream` | Dream's `1 - s/t` schedule over the block's masked count | off | off |
-| `residual` | as its inner `threshold` or `factor` rule | | |
+Each policy's per-step count, threshold and factor are tabled in docs/policies.md.
 
 Every policy commits what is left of a block at the last step it may take, so a
 block always finishes within its step budget.
 
-Those are mask-based policies. A uniform-noise model (DiffusionGemma: no mask token, a canvas of
-random tokens) takes `entropy_bound` instead (`EntropyBound`, run by `dlmrt.runtime.uniform_noise`
+Those are mask-based policies (`MaskPolicy`). A uniform-noise model (DiffusionGemma: no mask token, a
+canvas of random tokens) takes `entropy_bound` instead (`EntropyBound`, run by `dlmrt.runtime.uniform_noise`
 with the op `dlmrt.plugins.entropy_bound`); each kind of policy refuses the other kind of model.
+
+`make_policy` builds a policy by its name in `dlmrt.runtime.policy_registry.POLICIES`.
 """
 
 from __future__ import annotations
@@ -40,11 +34,19 @@ from torch import Tensor
 from dlmrt.core import limits
 from dlmrt.core.errors import ArgumentError
 from dlmrt.plugins.parallel_unmask import CONFIDENCE_MEASURES, strictly_above
+from dlmrt.runtime.policy_registry import LLADA21_PRESETS, POLICIES
 
 if TYPE_CHECKING:
     from dlmrt.runtime.settings import GenerationSettings
 
 REMASKING = ("low_confidence", "random")
+# Options that only one policy takes, refused under any other (the others are ignored there): that
+# policy, the options, and what the error says of them.
+EXCLUSIVE_OPTIONS = (
+    ("llada21", ("preset",), f"presets ({', '.join(LLADA21_PRESETS)}) belong"),
+    ("llada21", ("editing_threshold", "max_post_steps"), "editing-threshold and max-post-steps belong"),
+    ("entropy_bound", ("entropy_bound",), "entropy-bound belongs"),
+)
 
 
 def num_transfer_tokens(masked: Tensor, steps: int) -> Tensor:
@@ -59,14 +61,49 @@ def _check_confidence(confidence: str) -> None:
         raise ArgumentError(f"confidence must be one of prob, margin, entropy, got {confidence!r}")
 
 
+def _check_total_steps(steps: int, settings: GenerationSettings, positive: str) -> None:
+    """A whole run's step count: positive, bounded (LLaDA runs steps beyond one per token, which commit
+    nothing), and an even share per block."""
+    if steps <= 0:
+        raise ArgumentError(f"steps {positive}, got {steps}")
+    if steps > limits.MAX_POSITIONS:
+        raise ArgumentError(f"steps must be at most {limits.MAX_POSITIONS}, got {steps}")
+    if steps % settings.num_blocks:
+        raise ArgumentError(f"steps ({steps}) must be divisible by the number of blocks "
+                            f"(gen-length / block-length = {settings.num_blocks})")
+
+
 def _check_threshold(threshold: float) -> None:
     if not 0 < threshold <= 1:
         raise ArgumentError(f"threshold must lie in (0, 1], got {threshold}")
 
 
 class Policy(ABC):
+    """What every decoding policy has, whichever noise the models it decodes carry."""
+
     name: ClassVar[str]
     # What a position not yet decoded holds in the models the policy decodes (Denoiser.noise).
+    noise: ClassVar[str]
+
+    @property
+    def edits(self) -> bool:
+        """Whether the policy overwrites committed tokens (token editing)."""
+        return False
+
+    def validate(self, settings: GenerationSettings) -> None:
+        """Raise ArgumentError for parameters that cannot work, before any compute."""
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any], generation_config: Mapping[str, Any]) -> Policy:
+        """The policy from the make_policy options given (those it takes, none None); the rest keep
+        their defaults."""
+        return cls(**options)
+
+
+class MaskPolicy(Policy):
+    """A policy for mask-based models: the per-row numbers the step graph of `dlmrt.plugins.parallel_unmask`
+    takes, and the schedule of minimum commits."""
+
     noise: ClassVar[str] = "mask"
     confidence: str
 
@@ -78,18 +115,14 @@ class Policy(ABC):
     # neither the schedule nor the step kind depends on: rows that differ only there share a batch.
     row_fields: ClassVar[tuple[str, ...]] = ()
 
-    def shared(self) -> Policy:
+    def shared(self) -> MaskPolicy:
         """This policy with its per-row fields at their defaults: what rows sharing a batch agree on."""
         defaults = {f.name: f.default for f in dataclasses.fields(self) if f.name in self.row_fields}
         return dataclasses.replace(self, **defaults)
 
     @property
     def edits(self) -> bool:
-        """Whether the policy overwrites committed tokens (token editing)."""
         return self.edit_threshold_value < math.inf
-
-    def validate(self, settings: GenerationSettings) -> None:
-        """Raise ArgumentError for parameters that cannot work, before any compute."""
 
     @abstractmethod
     def block_steps(self, settings: GenerationSettings) -> int:
@@ -101,7 +134,7 @@ class Policy(ABC):
         the counts of each row must add up to at least its masked count."""
 
 
-class _AtLeastOnePerStep(Policy):
+class _AtLeastOnePerStep(MaskPolicy):
     """Rules that commit at least one position per step: a block takes at most `block_length`
     steps, and its last allowed step commits whatever is left."""
 
@@ -115,7 +148,7 @@ class _AtLeastOnePerStep(Policy):
 
 
 @dataclass(frozen=True)
-class Fixed(Policy):
+class Fixed(MaskPolicy):
     """LLaDA's schedule: `steps` in all, `steps / num_blocks` per block, the block's masked
     count spread evenly over them; `low_confidence` (max probability) or `random` remasking."""
 
@@ -131,14 +164,7 @@ class Fixed(Policy):
         return settings.gen_length if self.steps is None else self.steps
 
     def validate(self, settings: GenerationSettings) -> None:
-        steps = self.total_steps(settings)
-        if steps <= 0:
-            raise ArgumentError(f"steps must be positive, got {steps}")
-        if steps > limits.MAX_POSITIONS:  # LLaDA runs steps beyond one per token (they commit nothing); a bound
-            raise ArgumentError(f"steps must be at most {limits.MAX_POSITIONS}, got {steps}")
-        if steps % settings.num_blocks:
-            raise ArgumentError(f"steps ({steps}) must be divisible by the number of blocks "
-                                f"(gen-length / block-length = {settings.num_blocks})")
+        _check_total_steps(self.total_steps(settings), settings, "must be positive")
         if self.remasking not in REMASKING:
             raise ArgumentError(f"remasking must be one of {', '.join(REMASKING)}, got {self.remasking!r}")
 
@@ -190,7 +216,7 @@ class Factor(_AtLeastOnePerStep):
 
 
 @dataclass(frozen=True)
-class LLaDA2(Policy):
+class LLaDA2(MaskPolicy):
     """LLaDA2.x's own generate: per step, n_k from the LLaDA schedule over the block length; if at
     least n_k masked positions have p > threshold all of them are committed, else the n_k most
     confident. `steps` is per block, capped at `gen_length // minimal_topk`."""
@@ -226,7 +252,7 @@ class LLaDA2(Policy):
 
 
 @dataclass(frozen=True)
-class LLaDA21(Policy):
+class LLaDA21(MaskPolicy):
     """LLaDA2.1's decoding with token-to-token editing (its public generate, per row).
 
     Each step commits every masked position of the block with p > threshold, or the
@@ -259,6 +285,19 @@ class LLaDA21(Policy):
     @property
     def post_steps(self) -> int:  # type: ignore[override]
         return self.max_post_steps if self.edits else 0
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any], generation_config: Mapping[str, Any]) -> Policy:
+        """`preset` sets the defaults that the other options override; the option `editing_threshold` is
+        the field `edit_threshold`."""
+        preset = options.get("preset")
+        if preset is not None and preset not in LLADA21_PRESETS:
+            raise ArgumentError(f"unknown llada21 preset {preset!r} (known: {', '.join(LLADA21_PRESETS)})")
+        chosen = {**LLADA21_PRESETS.get(preset, {}), **options}
+        chosen.pop("preset", None)
+        if "editing_threshold" in chosen:
+            chosen["edit_threshold"] = chosen.pop("editing_threshold")
+        return cls(**chosen)
 
     def validate(self, settings: GenerationSettings) -> None:
         _check_threshold(self.threshold)
@@ -298,7 +337,7 @@ def dream_schedule(masked: Tensor, steps: int, eps: float) -> Tensor:
 
 
 @dataclass(frozen=True)
-class Dream(Policy):
+class Dream(MaskPolicy):
     """Dream's own decoding (`diffusion_generate`, at temperature 0 with top-k selection): `steps`
     forwards in all, `steps / num_blocks` per block, each committing the `dream_schedule` count of its
     most confident masked positions. A block as long as gen-length is Dream's whole canvas.
@@ -319,13 +358,9 @@ class Dream(Policy):
     def validate(self, settings: GenerationSettings) -> None:
         _check_confidence(self.confidence)
         steps = self.total_steps(settings)
-        if not isinstance(steps, int) or isinstance(steps, bool) or steps <= 0:
+        if not isinstance(steps, int) or isinstance(steps, bool):
             raise ArgumentError(f"steps must be a positive integer, got {steps!r}")
-        if steps > limits.MAX_POSITIONS:
-            raise ArgumentError(f"steps must be at most {limits.MAX_POSITIONS}, got {steps}")
-        if steps % settings.num_blocks:
-            raise ArgumentError(f"steps ({steps}) must be divisible by the number of blocks "
-                                f"(gen-length / block-length = {settings.num_blocks})")
+        _check_total_steps(steps, settings, "must be a positive integer")
         if steps > settings.gen_length:  # Dream's schedule over more steps commits differently, not more slowly
             raise ArgumentError(f"steps ({steps}) must be at most gen-length ({settings.gen_length}): a block "
                                 f"takes at most one step per position")
@@ -339,12 +374,8 @@ class Dream(Policy):
         return dream_schedule(masked, steps, self.eps)
 
 
-# LLaDA2.1's documented modes: (threshold, editing threshold, max post steps); 1 turns editing off.
-LLADA21_PRESETS = {"quality": (0.7, 0.5, 16), "speed": (0.5, 1.0, 16)}
-
-
 @dataclass(frozen=True)
-class Residual(Policy):
+class ResidualPolicy(MaskPolicy):
     """ORL decoding: the residual `z` carried from step to step, with a threshold or factor rule.
 
     An ORL model carries `z` under every policy, because `z` is part of its input; this policy
@@ -365,8 +396,15 @@ class Residual(Policy):
     def factor_value(self) -> float:  # type: ignore[override]
         return self.rule.factor_value
 
-    def shared(self) -> Policy:
-        return Residual(self.rule.shared())
+    def shared(self) -> MaskPolicy:
+        return ResidualPolicy(self.rule.shared())
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any], generation_config: Mapping[str, Any]) -> Policy:
+        """The factor rule when a factor is given, else the threshold rule."""
+        rule, rule_options = (Factor, ("factor", "confidence")) if "factor" in options else \
+            (Threshold, ("threshold", "confidence"))
+        return cls(rule(**{key: value for key, value in options.items() if key in rule_options}))
 
     def validate(self, settings: GenerationSettings) -> None:
         self.rule.validate(settings)
@@ -398,7 +436,11 @@ class EntropyBound(Policy):
     confidence_threshold: float = 0.005
     name: ClassVar[str] = "entropy_bound"
     noise: ClassVar[str] = "uniform"
-    confidence: str = "entropy"
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any], generation_config: Mapping[str, Any]) -> Policy:
+        """The model's generation_config sets the defaults that the options override."""
+        return cls(**{**entropy_bound_defaults(generation_config), **options})
 
     def validate(self, settings: GenerationSettings) -> None:
         steps = self.steps
@@ -419,16 +461,6 @@ class EntropyBound(Policy):
         if not isinstance(self.stability_threshold, int) or self.stability_threshold < 0:
             raise ArgumentError(f"stability-threshold must be a non-negative integer, got {self.stability_threshold!r}")
 
-    def block_steps(self, settings: GenerationSettings) -> int:
-        return self.steps
-
-    def schedule(self, masked: Tensor, block_length: int, steps: int) -> Tensor:
-        """No minimum commits: the entropy bound decides which positions each step keeps."""
-        return torch.zeros(masked.shape[0], steps, dtype=torch.long, device=masked.device)
-
-
-POLICIES = ("fixed", "threshold", "factor", "llada2", "llada21", "dream", "residual", "entropy_bound")
-
 
 def entropy_bound_defaults(generation_config: Mapping[str, Any]) -> dict[str, Any]:
     """EntropyBound's fields that a DiffusionGemma generation_config.json sets, under its own names
@@ -443,45 +475,20 @@ def entropy_bound_defaults(generation_config: Mapping[str, Any]) -> dict[str, An
     return {key: value for key, value in found.items() if value is not None}
 
 
-def make_policy(name: str, *, steps: int | None = None, remasking: str = "low_confidence",
-                threshold: float | None = None, factor: float | None = None,
-                confidence: str = "prob", minimal_topk: int = 1, editing_threshold: float | None = None,
-                max_post_steps: int | None = None, preset: str | None = None,
-                entropy_bound: float | None = None, generation_config: Mapping[str, Any] | None = None) -> Policy:
-    """A policy from command-line style parameters; unknown names get one clear error. `preset`
-    (llada21 only) sets the defaults that explicit values override, as `generation_config` (a model's
-    generation_config.json) does for entropy_bound."""
-    if preset is not None and name != "llada21":
-        raise ArgumentError(f"presets ({', '.join(LLADA21_PRESETS)}) belong to policy llada21, not {name!r}")
-    if name == "llada21":
-        if preset is not None and preset not in LLADA21_PRESETS:
-            raise ArgumentError(f"unknown llada21 preset {preset!r} (known: {', '.join(LLADA21_PRESETS)})")
-        tau, tau_edit, post = LLADA21_PRESETS[preset] if preset else (0.95, 0.9, 16)
-        return LLaDA21(tau if threshold is None else threshold,
-                       tau_edit if editing_threshold is None else editing_threshold,
-                       post if max_post_steps is None else max_post_steps)
-    if editing_threshold is not None or max_post_steps is not None:
-        raise ArgumentError(f"editing-threshold and max-post-steps belong to policy llada21, not {name!r}")
-    if name == "entropy_bound":
-        chosen = {**entropy_bound_defaults(generation_config or {}),
-                  **{key: value for key, value in (("steps", steps), ("entropy_bound", entropy_bound))
-                     if value is not None}}
-        return EntropyBound(**chosen)
-    if entropy_bound is not None:
-        raise ArgumentError(f"entropy-bound belongs to policy entropy_bound, not {name!r}")
-    if name == "fixed":
-        return Fixed(steps=steps, remasking=remasking)
-    if name == "threshold":
-        return Threshold(0.9 if threshold is None else threshold, confidence)
-    if name == "dream":
-        return Dream(steps, confidence=confidence)
-    if name == "factor":
-        return Factor(1.0 if factor is None else factor, confidence)
-    if name == "llada2":
-        return LLaDA2(0.95 if threshold is None else threshold, 32 if steps is None else steps,
-                      minimal_topk, confidence)
-    if name == "residual":
-        if factor is not None:
-            return Residual(Factor(factor, confidence))
-        return Residual(Threshold(0.9 if threshold is None else threshold, confidence))
-    raise ArgumentError(f"unknown policy {name!r} (known: {', '.join(POLICIES)})")
+def make_policy(name: str, *, generation_config: Mapping[str, Any] | None = None,
+                **options: int | float | str | None) -> Policy:
+    """A policy from command-line style options (those of `POLICIES`; None or absent: the policy's
+    default). Options the policy does not take are ignored, except those only one other policy takes
+    (`EXCLUSIVE_OPTIONS`); unknown names get one clear error. `generation_config` (a model's
+    generation_config.json) sets entropy_bound's defaults."""
+    unknown = options.keys() - {option for entry in POLICIES.values() for option in entry.options}
+    if unknown:
+        raise TypeError(f"make_policy() got unexpected options {', '.join(sorted(unknown))}")
+    for owner, exclusive, subject in EXCLUSIVE_OPTIONS:
+        if name != owner and any(options.get(option) is not None for option in exclusive):
+            raise ArgumentError(f"{subject} to policy {owner}, not {name!r}")
+    entry = POLICIES.get(name)
+    if entry is None:
+        raise ArgumentError(f"unknown policy {name!r} (known: {', '.join(POLICIES)})")
+    given = {key: value for key, value in options.items() if key in entry.options and value is not None}
+    return entry.policy_class.from_options(given, generation_config or {})

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from dlmrt.core import limits
 from dlmrt.core.errors import ArgumentError
 from dlmrt.runtime.backend import ModelSpec
-from dlmrt.runtime.policies import Fixed, Policy, Residual, make_policy
+from dlmrt.runtime.policies import Fixed, Policy, ResidualPolicy, make_policy
 
 CACHE_MODES = ("none", "prefix", "dual")
 
@@ -94,7 +94,7 @@ def check_request(spec: ModelSpec, prompts: Sequence[Sequence[int]], settings: G
         raise ArgumentError(f"cache mode 'dual' does not apply to {spec.name}: it is block-causal, so no "
                             f"block sees what follows it and there is no suffix to cache; --cache prefix "
                             f"is already its exact block cache")
-    if isinstance(settings.policy, Residual) and not spec.has_residual:
+    if isinstance(settings.policy, ResidualPolicy) and not spec.has_residual:
         raise ArgumentError(f"policy 'residual' needs an ORL model (a residual_context entry in "
                             f"config.json); {spec.name} has none: use --policy threshold or factor")
     if settings.policy.edits and not spec.supports_editing:

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 import dlmrt
 from dlmrt.core.errors import ArgumentError, CheckpointError, UnsupportedFeatureError
 from dlmrt.export import checkpoint
-from dlmrt.runtime import (Factor, Fixed, GenerationSettings, Generator, LLaDA2, Residual, Threshold,
+from dlmrt.runtime import (Factor, Fixed, GenerationSettings, Generator, LLaDA2, ResidualPolicy, Threshold,
                            make_policy, reference)
 from helpers import LLADA, LLADA2, random_model
 
@@ -167,12 +167,12 @@ def test_bad_generation_settings(model, settings, expected):
     (dict(policy=Threshold(1.5)), r"threshold must lie in \(0, 1\], got 1.5"),
     (dict(policy=Threshold(float("nan"))), r"threshold must lie in \(0, 1\], got nan"),
     (dict(policy=LLaDA2(threshold=-0.1)), r"threshold must lie in \(0, 1\]"),
-    (dict(policy=Residual(Threshold(2.0))), r"threshold must lie in \(0, 1\]"),
+    (dict(policy=ResidualPolicy(Threshold(2.0))), r"threshold must lie in \(0, 1\]"),
     (dict(policy=Factor(0.0)), "factor must be positive, got 0.0"),
     (dict(policy=Threshold(0.9, "logit")), "confidence must be one of prob, margin, entropy, got 'logit'"),
     (dict(max_block_steps=0), "the step budget per block must be positive, got 0"),
     (dict(cache="full"), "cache must be one of none, prefix, dual, got 'full'"),
-    (dict(policy=Residual()), "policy 'residual' needs an ORL model"),
+    (dict(policy=ResidualPolicy()), "policy 'residual' needs an ORL model"),
 ])
 def test_bad_policy_settings(model, settings, expected):
     with pytest.raises(ArgumentError, match=expected):

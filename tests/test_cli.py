@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import sys
 
 import pytest
 from click.testing import CliRunner
 
 from dlmrt.cli.commands import main
 from dlmrt.export import checkpoint
+from dlmrt.runtime.policy_registry import POLICIES
 from helpers import LLADA, LLADA2, random_model
 
 
@@ -30,6 +34,24 @@ def test_help_lists_the_llada_options():
                    "--cfg-scale", "--seed", "--dtype", "--prompt-ids", "--json", "--policy", "--threshold",
                    "--factor", "--confidence", "--cache", "--stream", "--ignore-eos", "--backend"):
         assert option in result.output
+
+
+def test_the_policy_help_lists_the_registered_policies():
+    """Every registered policy, in the registry's order, and no other name: the help is the registry's."""
+    result = run("generate", "--help")
+    assert result.exit_code == 0
+    listed = re.search(r"Decoding policy: (.*?) \[default:", " ".join(result.output.split())).group(1)
+    assert [item.partition(" (")[0] for item in listed.split("; ")] == list(POLICIES)
+    assert "dream" in POLICIES
+
+
+@pytest.mark.parametrize("args", [["--help"], ["generate", "--help"]])
+def test_help_does_not_import_torch(args):
+    code = ("import sys; from dlmrt.cli.commands import main; main(sys.argv[1:], standalone_mode=False); "
+            "print(sorted(name for name in ('torch', 'numpy', 'dlmrt.runtime.policies') if name in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == "[]"
 
 
 def test_json_output_and_metrics(model_dir):

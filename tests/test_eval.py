@@ -14,7 +14,7 @@ from dlmrt.cli.commands import main
 from dlmrt.core.errors import ArgumentError
 from dlmrt.eval.evaluation import default_grid, evaluate_grid, exact_match, load_jsonl, parse_setting
 from dlmrt.export import checkpoint
-from dlmrt.runtime import Factor, Fixed, GenerationSettings, LLaDA2, Residual, Threshold
+from dlmrt.runtime import Factor, Fixed, GenerationSettings, LLaDA2, ResidualPolicy, Threshold
 from dlmrt.core.tasks import Example
 from helpers import LLADA, random_model
 
@@ -61,8 +61,8 @@ def cli_run(tmp_path_factory):
     ("factor:factor=2", Factor(2.0)),
     ("llada2:threshold=0.9,steps=8", LLaDA2(0.9, 8)),
     ("llada2:minimal-topk=2", LLaDA2(minimal_topk=2)),
-    ("residual:threshold=0.9", Residual(Threshold(0.9))),
-    ("residual:factor=2", Residual(Factor(2.0))),
+    ("residual:threshold=0.9", ResidualPolicy(Threshold(0.9))),
+    ("residual:factor=2", ResidualPolicy(Factor(2.0))),
 ])
 def test_setting_specs_make_policies(spec, policy):
     setting = parse_setting(spec)

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dlmrt.runtime import (Factor, Fixed, GenerationSettings, Generator, LLaDA2, Residual, Threshold,
+from dlmrt.runtime import (Factor, Fixed, GenerationSettings, Generator, LLaDA2, ResidualPolicy, Threshold,
                            reference)
 from dlmrt.runtime.torch_backend import TorchBackend
 from helpers import TOKENS, EOSAt
@@ -255,7 +255,7 @@ def test_closing_the_stream_stops_compute(llada, loop):
 
 # -- residual ---------------------------------------------------------------------------------------
 def test_residual_policy_carries_z(orl, loop):
-    settings = GenerationSettings(12, 12, Residual(Threshold(0.3)), ignore_eos=True)
+    settings = GenerationSettings(12, 12, ResidualPolicy(Threshold(0.3)), ignore_eos=True)
     with_z = loop.run(orl, PROMPTS, settings).tokens
     assert torch.equal(with_z, loop.run(orl, PROMPTS, GenerationSettings(12, 12, Threshold(0.3),
                                                                          ignore_eos=True)).tokens)

@@ -15,7 +15,7 @@ from dlmrt.core import tasks  # noqa: E402
 from dlmrt.core.errors import ArgumentError, CheckpointError, UnsupportedFeatureError  # noqa: E402
 from dlmrt.export import onnx_export  # noqa: E402
 from dlmrt.export.export_manifest import MANIFEST_FILE, ExportLimits, ExportManifest  # noqa: E402
-from dlmrt.runtime import Factor, Fixed, GenerationSettings, Generator, LLaDA2, Residual, Threshold, text  # noqa: E402
+from dlmrt.runtime import Factor, Fixed, GenerationSettings, Generator, LLaDA2, ResidualPolicy, Threshold, text  # noqa: E402
 from dlmrt.runtime.ort_backend import OrtBackend  # noqa: E402
 from helpers import LLADA, LLADA2, ORL, config, random_model  # noqa: E402
 
@@ -168,7 +168,7 @@ def test_not_an_export_directory(tmp_path):
 
 def test_residual_policy_runs_through_ort(exported):
     model, directory = exported["orl"]
-    settings = GenerationSettings(12, 12, Residual(Threshold(0.3)), cache="dual")
+    settings = GenerationSettings(12, 12, ResidualPolicy(Threshold(0.3)), cache="dual")
     assert torch.equal(Generator(OrtBackend(directory)).generate(PROMPTS, settings).tokens,
                        Generator(model, mode="eager").generate(PROMPTS, settings).tokens)
 

@@ -10,9 +10,9 @@ import torch
 
 import dlmrt
 from dlmrt.core import hashing, tasks
-from dlmrt.runtime import Factor, GenerationSettings, Generator, Residual, Threshold, text
+from dlmrt.runtime import Factor, GenerationSettings, Generator, ResidualPolicy, Threshold, text
 
-POLICIES = [Residual(Threshold(0.7)), Residual(Threshold(0.9)), Residual(Factor(2.0))]
+POLICIES = [ResidualPolicy(Threshold(0.7)), ResidualPolicy(Threshold(0.9)), ResidualPolicy(Factor(2.0))]
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from dlmrt.runtime import Factor, Fixed, GenerationSettings, Generator, LLaDA2, Residual, Threshold
+from dlmrt.runtime import Factor, Fixed, GenerationSettings, Generator, LLaDA2, ResidualPolicy, Threshold
 from dlmrt.runtime.running_batch import RunningBatch
 from dlmrt.runtime.torch_backend import TorchBackend
 
@@ -34,7 +34,7 @@ CASES = {
     "bidirectional-prefix": ("llada", GenerationSettings(16, 4, Threshold(0.3), cache="prefix")),
     "bidirectional-dual": ("llada", GenerationSettings(16, 4, Threshold(0.3), cache="dual")),
     "fixed-sampling": ("llada", GenerationSettings(16, 4, Fixed(), temperature=0.8)),
-    "orl": ("orl", GenerationSettings(16, 4, Residual(Threshold(0.3)))),
+    "orl": ("orl", GenerationSettings(16, 4, ResidualPolicy(Threshold(0.3)))),
     "block-causal": ("llada2", GenerationSettings(16, 4, LLaDA2(0.3, 4))),
     "block-causal-cache": ("llada2", GenerationSettings(16, 4, LLaDA2(0.3, 4), cache="prefix")),
     "block-causal-orl-cache": ("llada2_orl", GenerationSettings(16, 4, Threshold(0.3), cache="prefix")),
@@ -155,8 +155,8 @@ OWN = {"a": {"temperature": 0.9}, "b": {"temperature": 0.0}, "gone": {"temperatu
 OWN_POLICIES = {
     "threshold": ("llada", GenerationSettings(16, 4, Threshold(0.3), cache="dual"),
                   {"a": Threshold(0.2), "b": Threshold(0.9), "c": Threshold(0.5), "e": Threshold(1.0)}),
-    "factor-orl": ("orl", GenerationSettings(16, 4, Residual(Factor(1.0))),
-                   {"a": Residual(Factor(0.5)), "c": Residual(Factor(3.0))}),
+    "factor-orl": ("orl", GenerationSettings(16, 4, ResidualPolicy(Factor(1.0))),
+                   {"a": ResidualPolicy(Factor(0.5)), "c": ResidualPolicy(Factor(3.0))}),
     "block-causal": ("llada2", GenerationSettings(16, 4, LLaDA2(0.3, 4), cache="prefix"),
                      {"b": LLaDA2(0.8, 4), "d": LLaDA2(0.1, 4)}),
 }
@@ -174,7 +174,7 @@ def test_rows_with_their_own_temperature_and_threshold_share_a_batch(request, ca
 
 def test_a_batch_that_emptied_takes_new_rows_as_fresh(orl):
     backend = TorchBackend(orl, mode="eager", max_batch=4)
-    settings = GenerationSettings(8, 4, Residual(Threshold(0.3)), ignore_eos=True)
+    settings = GenerationSettings(8, 4, ResidualPolicy(Threshold(0.3)), ignore_eos=True)
     batch, cancel = RunningBatch(backend), threading.Event()
     batch.add("a", [5, 6, 7], replace(settings, gen_length=16), seed=0, cancel=cancel)
     batch.run_block()

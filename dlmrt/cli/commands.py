@@ -18,6 +18,7 @@ from dlmrt.cli.bench import bench_command
 from dlmrt.cli.serve import serve_command
 from dlmrt.cli.engines import build_command, inspect_command
 from dlmrt.cli.backends import open_backend
+from dlmrt.runtime.policy_registry import LLADA21_PRESETS, POLICIES
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -28,9 +29,6 @@ if TYPE_CHECKING:
     from dlmrt.core.tasks import Example
 
 DTYPE_CHOICES = ("float32", "bfloat16", "float16", "fp32", "bf16", "fp16", "auto")
-# Kept here (not imported from dlmrt.runtime) so that `dlmrt --help` does not import torch.
-POLICY_NAMES = ("fixed", "threshold", "factor", "llada2", "llada21", "residual", "entropy_bound")
-LLADA21_PRESET_NAMES = ("quality", "speed")
 CACHE_NAMES = ("none", "prefix", "dual")
 MODE_NAMES = ("auto", "eager", "compile", "cudagraph")
 
@@ -78,8 +76,9 @@ DECODING_OPTIONS = {
              "--gen-length]."),
     "policy": click.option(
         "--policy", type=str, default=None,
-        help=f"Decoding policy: {', '.join(POLICY_NAMES)} [default: llada2 for llada2_moe models, entropy_bound "
-             f"for uniform-noise models (diffusion_gemma), else fixed]."),
+        help=f"Decoding policy: {'; '.join(f'{name} ({entry.description})' for name, entry in POLICIES.items())} "
+             f"[default: llada2 for llada2_moe models, entropy_bound for uniform-noise models (diffusion_gemma), "
+             f"else fixed]."),
     "steps": click.option(
         "--steps", type=LENGTH, default=None,
         help="fixed: denoising steps in all [default: --gen-length]; llada2: steps per block [default: 32]; "
@@ -107,7 +106,7 @@ DECODING_OPTIONS = {
         "--max-post-steps", type=int, default=None,
         help="llada21: editing-only steps a block may take once it has no mask [default: 16]."),
     "preset": click.option(
-        "--preset", type=click.Choice(LLADA21_PRESET_NAMES), default=None,
+        "--preset", type=click.Choice(tuple(LLADA21_PRESETS)), default=None,
         help="llada21: LLaDA2.1's modes, quality (threshold 0.7, editing 0.5, 16 post steps) or speed "
              "(threshold 0.5, editing off); explicit options override them."),
     "entropy_bound": click.option(

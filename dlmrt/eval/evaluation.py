@@ -23,6 +23,7 @@ from dlmrt.core import atomic, json_files
 from dlmrt.core.errors import ArgumentError
 from dlmrt.export.models import Denoiser
 from dlmrt.runtime import GenerationMetrics, GenerationSettings, Generator, Policy, make_policy, text
+from dlmrt.runtime.policy_registry import POLICIES
 from dlmrt.runtime.settings import check_request
 from dlmrt.core.tasks import Example, is_correct
 
@@ -30,17 +31,6 @@ if TYPE_CHECKING:
     from dlmrt.runtime.backend import Backend
     from dlmrt.runtime.exported_model import ExportedModel
 
-# The keys each policy takes in a setting spec, with the type of their values.
-SETTING_KEYS: dict[str, dict[str, type]] = {
-    "fixed": {"steps": int, "remasking": str},
-    "threshold": {"threshold": float, "confidence": str},
-    "factor": {"factor": float, "confidence": str},
-    "llada2": {"threshold": float, "steps": int, "minimal_topk": int, "confidence": str},
-    "llada21": {"threshold": float, "editing_threshold": float, "max_post_steps": int, "preset": str},
-    "dream": {"steps": int, "confidence": str},
-    "residual": {"threshold": float, "factor": float, "confidence": str},
-    "entropy_bound": {"steps": int, "entropy_bound": float},
-}
 DEFAULT_THRESHOLDS = (0.5, 0.7, 0.8, 0.9, 0.95, 0.99)
 # Uniform-noise models: the public bound (0.1), tighter and far looser ones.
 DEFAULT_ENTROPY_BOUNDS = (0.01, 0.1, 0.3, 1, 3, 10)
@@ -188,12 +178,12 @@ def _example(path: Path, number: int, line: str) -> Example:
 # -- settings -----------------------------------------------------------------------------------
 
 def parse_setting(spec: str) -> Setting:
-    """A setting from `POLICY[:key=value,...]`; keys are those of SETTING_KEYS (`-` or `_`)."""
+    """A setting from `POLICY[:key=value,...]`; keys are the policy's options in POLICIES (`-` or `_`)."""
     label = spec.strip()
     name, colon, rest = label.partition(":")
     name = name.strip()
-    if name not in SETTING_KEYS:
-        raise ArgumentError(f"setting {label!r}: unknown policy {name!r} (known: {', '.join(SETTING_KEYS)})")
+    if name not in POLICIES:
+        raise ArgumentError(f"setting {label!r}: unknown policy {name!r} (known: {', '.join(POLICIES)})")
     params = _setting_params(label, name, rest) if colon else {}
     if name == "residual" and "threshold" in params and "factor" in params:
         raise ArgumentError(f"setting {label!r}: residual takes a threshold or a factor, not both")
@@ -201,7 +191,7 @@ def parse_setting(spec: str) -> Setting:
 
 
 def _setting_params(label: str, name: str, rest: str) -> dict[str, int | float | str]:
-    allowed = SETTING_KEYS[name]
+    allowed = POLICIES[name].options
     params: dict[str, int | float | str] = {}
     for item in rest.split(","):
         key, equals, value = (part.strip() for part in item.partition("="))
