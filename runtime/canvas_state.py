@@ -29,7 +29,7 @@ from torch import Tensor
 from dlmrt.core import limits
 from dlmrt.export.models.denoiser import LayerGroupKV
 from dlmrt.runtime.backend import ModelSpec
-from dlmrt.runtime.static_buffers import StaticBuffers
+from dlmrt.runtime.static_buffers import StaticBuffers, shifted_copy
 
 
 @dataclass(frozen=True)
@@ -114,6 +114,7 @@ class CanvasState(StaticBuffers):
     finished: Tensor  # [B] bool: rows that ended in an earlier block, and padding rows
     done: Tensor  # [B] bool: rows whose current block is done (or that are finished)
     forwards: Tensor  # [B] int64: decoder forwards that did work for the row
+    block: Tensor  # [B] int64: each row's current block
 
     @staticmethod
     def estimated_bytes(spec: ModelSpec, bucket: CanvasBucket, groups: Sequence[CacheGroup]) -> int:
@@ -145,7 +146,7 @@ class CanvasState(StaticBuffers):
             seed=torch.zeros(rows, **long), stability_threshold=torch.zeros(rows, **long),
             confidence_threshold=torch.zeros(rows, **real), block_step=torch.zeros(rows, **long),
             stable_run=torch.zeros(rows, **long), finished=torch.ones(rows, **flag), done=torch.ones(rows, **flag),
-            forwards=torch.zeros(rows, **long))
+            forwards=torch.zeros(rows, **long), block=torch.zeros(rows, **long))
 
     def decoder_inputs(self) -> dict[str, Tensor]:
         """The exported decoder's inputs by name: the state's own buffers, read in place."""
@@ -164,37 +165,68 @@ class CanvasState(StaticBuffers):
         return LayerGroupKV(self.cache_sliding[..., :end, :], self.cache_full[..., :end, :],
                             self.cache_positions[:, :end])
 
-    def write_cache(self, cache: LayerGroupKV, start: int) -> None:
-        """Store the encoder's K/V of cache positions [start, its length) (what the decoder may see of it
-        is `past_key_mask`'s to say)."""
+    def write_cache(self, cache: LayerGroupKV, start: int, rows: Tensor) -> None:
+        """Store the encoder's K/V of cache positions [start, its length) for `rows` (what the decoder
+        may see of it is `past_key_mask`'s to say)."""
         end = cache.positions.shape[1]
-        self.cache_sliding[..., start:end, :].copy_(cache.sliding[..., start:, :])
-        self.cache_full[..., start:end, :].copy_(cache.full[..., start:, :])
-        self.cache_positions[:, start:end].copy_(cache.positions[:, start:])
+        self.cache_sliding[:, :, rows, :, start:end] = cache.sliding[:, :, rows, :, start:]
+        self.cache_full[:, :, rows, :, start:end] = cache.full[:, :, rows, :, start:]
+        self.cache_positions[rows, start:end] = cache.positions[rows, start:]
 
-    # -- requests in ------------------------------------------------------------------------------------
-    def load(self, prompt_mask: Tensor, rows: int, params: dict[str, Tensor]) -> None:
-        """Take a request of `rows` rows: the key mask `[B, P]` of its left-padded prompts (padding rows:
-        one visible pad token) and its per-row parameters by buffer name. Rows from `rows` on are
-        padding: finished from the start."""
-        self.past_key_mask.zero_()
-        self.past_key_mask[:, :self.bucket.prompt].copy_(prompt_mask)
-        self.prompt_lengths.copy_(prompt_mask.sum(-1))
+    # -- rows in and out (at block boundaries) ------------------------------------------------------
+    def reset(self) -> None:
+        """Empty the bucket for a new batch: every row inert padding."""
+        self.clear_rows(range(self.bucket.batch))
+
+    def place_row(self, slot: int, prompt_mask: Tensor, params: dict[str, Tensor]) -> None:
+        """Take a row at its first block into `slot`: the key mask `[P]` of its left-padded prompt (whose
+        K/V the encoder wrote) and its policy parameters by buffer name."""
+        self.past_key_mask[slot].zero_()
+        self.past_key_mask[slot, :self.bucket.prompt] = prompt_mask
+        self.prompt_lengths[slot] = prompt_mask.sum()
         for name, value in params.items():
-            getattr(self, name)[:rows].copy_(value)
-        self.finished.fill_(True)
-        self.finished[:rows] = False
-        self.forwards.zero_()
+            getattr(self, name)[slot] = value
+        self.finished[slot] = False
+        for name in ("forwards", "block"):
+            getattr(self, name)[slot] = 0
 
-    def start_block(self, block: int, vocab_size: int) -> None:
-        """Point the state at block `block`: fresh random canvas, no draft, no soft tokens."""
+    def take_rows(self, source: CanvasState, rows: Sequence[int]) -> None:
+        """Fill this bucket with `rows` of `source`, in that order, each row's cache storage moved by
+        the difference of the prompt regions (so that its blocks' slots stay `slot(block)`); the other
+        rows become padding."""
+        index = torch.tensor(list(rows), dtype=torch.long, device=self.canvas.device)
+        count, shift = len(rows), self.bucket.prompt - source.bucket.prompt
+        self.reset()
+        for name, tensor in self.tensors().items():
+            moved = getattr(source, name).index_select(2 if name in _CACHES else 0, index)
+            if name in _CACHES:
+                shifted_copy(tensor.narrow(2, 0, count), moved, shift, dim=4)
+            elif name in _STORAGE_ROWS:
+                shifted_copy(tensor[:count], moved, shift, dim=1)
+            else:
+                tensor[:count].copy_(moved)
+
+    def clear_rows(self, slots: Sequence[int]) -> None:
+        """Make rows `slots` inert padding: finished, done, and seeing no cached key."""
+        for slot in slots:
+            self.finished[slot] = self.done[slot] = True
+            self.past_key_mask[slot].zero_()
+            self.forwards[slot] = 0
+
+    def start_blocks(self, vocab_size: int) -> None:
+        """Point every row at its current block: fresh random canvas, no draft, no soft tokens."""
         from dlmrt.plugins.entropy_bound import initial_canvas
 
-        offsets = torch.arange(self.bucket.width, device=self.canvas.device) + block * self.bucket.width
-        torch.add(self.prompt_lengths[:, None], offsets, out=self.positions)
+        width = self.bucket.width
+        offsets = torch.arange(width, device=self.canvas.device)
+        torch.add((self.prompt_lengths + self.block * width)[:, None], offsets, out=self.positions)
         self.canvas.copy_(initial_canvas(self.seed, self.positions, vocab_size))
         self.argmax.fill_(-1)
         self.z.zero_()
         self.block_step.zero_()
         self.stable_run.zero_()
         self.done.copy_(self.finished)
+
+
+_CACHES = ("cache_sliding", "cache_full")  # [layers, 2, B, heads, S, head_dim]
+_STORAGE_ROWS = ("cache_positions", "past_key_mask")  # [B, S]

@@ -24,7 +24,7 @@ from dlmrt.core import limits
 from dlmrt.core.errors import ArgumentError
 from dlmrt.runtime.backend import ModelSpec
 from dlmrt.runtime.layout import Layout
-from dlmrt.runtime.static_buffers import StaticBuffers
+from dlmrt.runtime.static_buffers import StaticBuffers, shifted_copy
 
 
 @dataclass(frozen=True)
@@ -252,18 +252,18 @@ class DeviceState(StaticBuffers):
         for name, value in moved.items():
             target = getattr(self, name)[:count]
             if name in _CANVAS_BUFFERS:
-                _shifted_copy(target, value, shift, dim=1)
+                shifted_copy(target, value, shift, dim=1)
             else:
                 target.copy_(value)
         self.status[:count].copy_(status)
         self.status[-1].copy_(forwards)
         for name, parts in halves.items():
             for target, origin in zip(self._model_halves(name), parts):
-                _shifted_copy(target.narrow(0, 0, count), origin, shift, dim=4 if name == "kv" else 1)
+                shifted_copy(target.narrow(0, 0, count), origin, shift, dim=4 if name == "kv" else 1)
         for name, value in shared.items():
             if name == "cache_valid":
                 self.cache_valid.zero_()
-                _shifted_copy(self.cache_valid, value, shift, dim=0)
+                shifted_copy(self.cache_valid, value, shift, dim=0)
             else:
                 getattr(self, name).copy_(value)
 
@@ -311,10 +311,3 @@ _ZERO_IN_PADDING = ("prompt_lengths", "count", "threshold", "factor", "temperatu
 _CANVAS_BUFFERS = ("canvas", "key_mask", "positions")  # [B, L]: a row's canvas moves with it
 _ROW_BUFFERS = (*_CANVAS_BUFFERS, *_ZERO_IN_PADDING)
 
-
-def _shifted_copy(target: Tensor, source: Tensor, shift: int, dim: int) -> None:
-    """target[..., i + shift, ...] = source[..., i, ...] along `dim`, where both exist."""
-    first = max(0, -shift)
-    count = min(source.shape[dim], target.shape[dim] - shift) - first
-    if count > 0:
-        target.narrow(dim, first + shift, count).copy_(source.narrow(dim, first, count))

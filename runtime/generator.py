@@ -6,20 +6,20 @@
     for update in gen.stream(prompts, settings):            # committed tokens, block by block
         ...
 
-A mask model's call is a `RunningBatch` (`dlmrt.runtime.running_batch`) whose rows all join at once:
-the rows are laid out on the canvas of a shape bucket (`dlmrt.runtime.device_state`), and each block
-runs at most `settings.block_steps()` steps of `dlmrt.runtime.device_step`, K at a time
-(`settings.steps_per_sync`): the backend runs K steps back to back on the device, and the host reads
-one small status tensor (each row's masked positions left in the block, and the forwards that did
-work) before it decides on the next K. Steps after a row's block is done are no-ops, so K changes
-how many forwards run, never a token. Which window a step covers follows from the cache mode (see
-`device_step`).
+A call is a `RunningBatch` (`dlmrt.runtime.running_batch`) whose rows all join at once: a
+`MaskBatch` for a mask model, whose rows are laid out on the canvas of a shape bucket
+(`dlmrt.runtime.device_state`) and whose blocks run at most `settings.block_steps()` steps of
+`dlmrt.runtime.device_step`, or a `UniformBatch` for a uniform-noise model
+(`dlmrt.runtime.uniform_noise`). Either runs K steps at a time (`settings.steps_per_sync`): the
+backend runs K steps back to back on the device, and the host reads one small status before it
+decides on the next K. Steps after a row's block is done are no-ops, so K changes how many forwards
+run, never a token.
 
 At a block boundary the host reads the block's tokens once: for streaming, and to see which rows
-ended. A row stops after the block in which it committed an end-of-sequence token (unless
-`ignore_eos`); the rest of its output is filled with EOS, and it leaves the batch, which moves to a
-smaller bucket once the rows still running fit one. `dlmrt serve` drives the same RunningBatch,
-with rows that join while others run (`dlmrt.runtime.scheduler`).
+ended. A row stops after the block in which it decoded an end-of-sequence token (unless
+`ignore_eos`) and leaves the batch, which moves to a smaller bucket once the rows still running fit
+one. `dlmrt serve` drives the same batches, with rows that join while others run
+(`dlmrt.runtime.scheduler`).
 """
 
 from __future__ import annotations
@@ -32,13 +32,11 @@ import torch
 from torch import Tensor
 
 from dlmrt.core.errors import ArgumentError
-from dlmrt.runtime import layout as layouts
 from dlmrt.runtime.backend import Backend
 from dlmrt.runtime.metrics import GenerationMetrics, peak_memory_bytes, reset_peak_memory
-from dlmrt.runtime.running_batch import BlockUpdate, CancelToken, RunningBatch
+from dlmrt.runtime.running_batch import BlockUpdate, CancelToken, open_batch
 from dlmrt.runtime.settings import GenerationSettings, check_request
 from dlmrt.runtime.text import completion
-from dlmrt.runtime.uniform_noise import UniformNoiseRun
 
 __all__ = ["BlockUpdate", "CancelToken", "GenerationResult", "GenerationStream", "Generator", "RowOutput"]
 
@@ -86,13 +84,11 @@ class Generator:
         """An iterator of BlockUpdates; `.result` holds the GenerationResult once it is exhausted.
         Closing the iterator early stops the computation."""
         check_request(self.spec, prompts, settings)
-        if self.spec.noise == "uniform":
-            return GenerationStream(UniformNoiseRun(self.backend, prompts, settings, cancel, on_step))
         return GenerationStream(_Run(self.backend, prompts, settings, cancel, on_step))
 
 
 class GenerationStream:
-    def __init__(self, run: _Run | UniformNoiseRun):
+    def __init__(self, run: _Run):
         self._events = run.events()
         self._run = run
         self.result: GenerationResult | None = None
@@ -119,11 +115,8 @@ class _Run:
         self.spec, self.settings, self.size = backend.spec, settings, len(prompts)
         self.started = time.perf_counter()
         reset_peak_memory(self.spec.device)
-        ladder, block = backend.ladder, settings.block_length
-        ladder.batch_for(len(prompts))  # the call's clear errors, before any compute
-        ladder.canvas_for(layouts.canvas_length(prompts, settings.gen_length, block,
-                                                block_causal=self.spec.block_causal), block)
-        self.batch = RunningBatch(backend, on_step=on_step)
+        self.batch = open_batch(backend, on_step=on_step)
+        self.batch.check_call(prompts, settings)
         for row, prompt in enumerate(prompts):
             self.batch.add(row, prompt, settings, seed=settings.seed + row, cancel=cancel)
         self.prompt_tokens = sum(len(prompt) for prompt in prompts)
@@ -136,9 +129,9 @@ class _Run:
             self.batch.close()
 
     def result(self) -> GenerationResult:
-        batch, stop_ids = self.batch, (*self.spec.eos_ids, self.spec.mask_id)
+        batch = self.batch
         finished = [batch.finished[row] for row in range(self.size)]
-        rows = [RowOutput(completion(f.tokens, stop_ids), f.finish_reason, f.metrics) for f in finished]
+        rows = [RowOutput(completion(f.tokens, batch.stop_ids), f.finish_reason, f.metrics) for f in finished]
         metrics = GenerationMetrics(
             nfe=batch.worked, sequence_forwards=sum(r.metrics.sequence_forwards for r in rows),
             generated_tokens=sum(r.metrics.generated_tokens for r in rows), prompt_tokens=self.prompt_tokens,

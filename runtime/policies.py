@@ -84,6 +84,14 @@ class Policy(ABC):
     name: ClassVar[str]
     # What a position not yet decoded holds in the models the policy decodes (Denoiser.noise).
     noise: ClassVar[str]
+    # Fields the step reads from each row's own buffer, which neither the block's step budget nor the
+    # step kind depends on: rows that differ only there share a batch.
+    row_fields: ClassVar[tuple[str, ...]] = ()
+
+    def shared(self) -> Policy:
+        """This policy with its per-row fields at their defaults: what rows sharing a batch agree on."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self) if f.name in self.row_fields}
+        return dataclasses.replace(self, **defaults)
 
     @property
     def edits(self) -> bool:
@@ -111,14 +119,6 @@ class MaskPolicy(Policy):
     factor_value: float = 0.0
     edit_threshold_value: float = math.inf  # overwrite committed tokens with p(x0) >= this; inf: never
     post_steps: int = 0  # editing-only steps a block may take once it has no mask
-    # Fields the step reads from each row's own buffer (`threshold_value`, `factor_value`), which
-    # neither the schedule nor the step kind depends on: rows that differ only there share a batch.
-    row_fields: ClassVar[tuple[str, ...]] = ()
-
-    def shared(self) -> MaskPolicy:
-        """This policy with its per-row fields at their defaults: what rows sharing a batch agree on."""
-        defaults = {f.name: f.default for f in dataclasses.fields(self) if f.name in self.row_fields}
-        return dataclasses.replace(self, **defaults)
 
     @property
     def edits(self) -> bool:
@@ -436,6 +436,8 @@ class EntropyBound(Policy):
     confidence_threshold: float = 0.005
     name: ClassVar[str] = "entropy_bound"
     noise: ClassVar[str] = "uniform"
+    row_fields: ClassVar[tuple[str, ...]] = ("entropy_bound", "t_min", "t_max", "stability_threshold",
+                                             "confidence_threshold")
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any], generation_config: Mapping[str, Any]) -> Policy:

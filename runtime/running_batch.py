@@ -1,44 +1,33 @@
-"""A running batch of a mask model: rows decoded block by block in one bucket's state, which rows
-join and leave at block boundaries (continuous batching).
+"""A running batch: rows decoded block by block in one bucket's state, which rows join and leave at
+block boundaries (continuous batching). One loop for every family; the noise kind's batch says where
+rows sit in the bucket and what ends a block.
 
-    batch = RunningBatch(backend, owner)
+    batch = open_batch(backend)                   # a MaskBatch or a UniformBatch, by the model's noise
     batch.add(tag, prompt, settings, seed=0)      # joins at the next block boundary
     while batch.active:
         updates = batch.run_block()               # BlockUpdates; finished rows land in batch.finished
 
-Rows at different blocks share the step through one canvas column. Each row carries its block
-position (the position, counted in its own tokens, where its current block starts) and is placed on
-the canvas so that its current block starts at the batch's column: a row that joins late sits
-further right than one near its end. Positions, which the attention, the rotary embedding, the
-block-causal grid and the sampler's random numbers read, are each row's own, and the canvas around
-a row is padding no position sees, so a row decodes exactly as it would alone (see
-docs/continuous-batching.md). The exported step graph keeps one window and one block index for
-the whole batch, so the ONNX graphs and TensorRT engines serve a continuous batch as they are.
-
-When rows join or leave, the batch moves to the bucket that holds it (the smallest batch and canvas
-of the backend's ladder), and the column moves with it. Between those boundaries nothing moves:
-every row advances one block, and so does the column.
+Each block: waiting rows join while the batch and the largest bucket hold them (the batch moves to
+the bucket that holds every row), the backend runs the block's step program K steps at a time with
+one host read between (`_steps_per_sync`), and at its end the host reads the block's tokens once,
+streams each row's new tokens, and retires the rows that finished. Rows decode exactly as they
+would alone: every step is row-independent, and each row keeps its own positions and random
+streams (`docs/continuous-batching.md`).
 
 Rows batch together when their settings agree on everything but what each row carries in its own
-buffers (`batch_key`): gen-length, seed, ignore_eos, temperature, and the policy's threshold or
-factor. The step kinds (window, cache, graph) and the block's step budget follow from the rest.
+buffers (`batch_key`): gen-length, seed, ignore_eos, temperature, and the policy's `row_fields`.
 """
 
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Protocol
-
-import torch
+from typing import Any, NamedTuple, Protocol
 
 from dlmrt.core.errors import ArgumentError
-from dlmrt.plugins.parallel_unmask import MEASURE_CODES
-from dlmrt.runtime import device_step
-from dlmrt.runtime import layout as layouts
 from dlmrt.runtime.backend import Backend
-from dlmrt.runtime.device_state import Bucket, DeviceState
 from dlmrt.runtime.metrics import GenerationMetrics
 from dlmrt.runtime.settings import GenerationSettings
 from dlmrt.runtime.text import completion
@@ -60,7 +49,7 @@ class BlockUpdate:
 
 @dataclass(frozen=True)
 class FinishedRow:
-    tokens: list[int]  # gen_length ids: EOS after a stop, the mask id where decoding did not reach
+    tokens: list[int]  # gen_length ids: past a stop, the batch's fill (EOS, the mask id, or pad)
     finish_reason: str
     metrics: GenerationMetrics
 
@@ -72,27 +61,27 @@ def batch_key(settings: GenerationSettings) -> GenerationSettings:
                    policy=settings.policy.shared())
 
 
-def automatic_steps(budget_left: int, remaining: int, taken: int, block_length: int,
-                    tokens_per_forward: float | None) -> int:
-    """K on CUDA: as many steps as the block is expected to need still, at the tokens per forward of
-    its steps so far (once it has taken some) or of the last block, so that few steps are no-ops;
-    one step while nothing is known. `remaining` is the most masked positions a row has left."""
-    rate = (block_length - remaining) / taken if taken else tokens_per_forward
-    if not rate or rate <= 0:
-        return 1
-    return max(1, min(budget_left, int(remaining / rate)))
+def open_batch(backend: Backend, on_step: Callable[[], None] | None = None) -> RunningBatch:
+    """An empty running batch of the backend's model: a MaskBatch, or a UniformBatch for a
+    uniform-noise model."""
+    if backend.spec.noise == "uniform":
+        from dlmrt.runtime.uniform_noise import UniformBatch
+
+        return UniformBatch(backend, on_step)
+    from dlmrt.runtime.mask_batch import MaskBatch
+
+    return MaskBatch(backend, on_step)
 
 
-@dataclass
-class _Row:
+@dataclass(kw_only=True)
+class Row:
+    """A row of the batch; each noise kind's batch adds where the row sits in its bucket."""
+
     tag: object
     settings: GenerationSettings
-    layout: layouts.Layout  # the row alone, on its own canvas
-    params: dict[str, float | int]
+    params: dict[str, Any]  # its own policy parameters, by buffer name
     cancel: CancelToken | None
-    block_position: int  # where its current block starts, in the row's positions
-    output_position: int  # its first generated position (its prompt length)
-    end_position: int  # after the last position it denoises
+    prompt_length: int
     joined: float  # when it was added
     compile_at_join: float
     backend_at_join: float
@@ -106,26 +95,42 @@ class _Row:
         return self.cancel is not None and self.cancel.is_set()
 
 
+class BlockOutcome(NamedTuple):
+    """What a block left of a row: its output so far, and how it ends (None: it goes on)."""
+
+    settled: list[int]
+    reason: str | None
+    fill: int  # what the row's tokens hold past its output, once it has finished
+    edits: int = 0
+
+
 @dataclass
-class RunningBatch:
+class RunningBatch(ABC):
     backend: Backend
     on_step: Callable[[], None] | None = None
-    rows: list[_Row] = field(default_factory=list)  # in the batch
-    waiting: list[_Row] = field(default_factory=list)  # added, joining at the next block boundary
+    rows: list[Row] = field(default_factory=list)  # in the batch
+    waiting: list[Row] = field(default_factory=list)  # added, joining at the next block boundary
     finished: dict[object, FinishedRow] = field(default_factory=dict)
     key: GenerationSettings | None = None
-    state: DeviceState | None = None
-    column: int = 0  # canvas index of every row's current block
+    state: Any = None  # the bucket's static buffers
     executed: int = 0  # forwards run
     worked: int = 0  # forwards that did work (the status counter, as last read)
     backend_s: float = 0.0
     compile_s: float = 0.0
-    tokens_per_forward: float | None = None  # what an automatic K plans with: the last block's
 
     def __post_init__(self):
         self.spec = self.backend.spec
         self.eos = set(self.spec.eos_ids)
-        self.stop_ids = (*self.spec.eos_ids, self.spec.mask_id)  # a completion ends at EOS, or where decoding stopped
+
+    @property
+    @abstractmethod
+    def stop_ids(self) -> tuple[int, ...]:
+        """Where a completion ends: at EOS, or where decoding stopped."""
+
+    @abstractmethod
+    def check_call(self, prompts: Sequence[Sequence[int]], settings: GenerationSettings) -> None:
+        """A generate call's clear errors, before any compute: its rows join at once, so one bucket
+        must hold them all."""
 
     @property
     def active(self) -> bool:
@@ -146,78 +151,34 @@ class RunningBatch:
             raise ArgumentError("a row's settings differ from the batch's in more than gen-length, seed, "
                                 "ignore_eos, temperature and the policy's threshold or factor: run it in a "
                                 "batch of its own")
-        spec, block = self.spec, settings.block_length
-        alone = layouts.build([prompt], settings.gen_length, block, block_causal=spec.block_causal,
-                              pad_id=spec.pad_id, mask_id=spec.mask_id)
-        self.backend.ladder.canvas_for(alone.length, block)  # one clear error for a row no bucket holds
-        policy = settings.policy
-        params = {"threshold": policy.threshold_value, "factor": policy.factor_value,
-                  "temperature": settings.temperature, "seed": seed, "measure": MEASURE_CODES[policy.confidence],
-                  "edit_threshold": policy.edit_threshold_value, "max_post_steps": policy.post_steps}
-        start = alone.first_block_start  # the row alone has no left padding: canvas index = position
+        row = self._new_row(prompt, settings, seed, tag=tag, cancel=cancel, joined=time.perf_counter(),
+                            compile_at_join=self.compile_s, backend_at_join=self.backend_s)
         self.key = batch_key(settings)
-        self.waiting.append(_Row(tag, settings, alone, params, cancel, block_position=start,
-                                 output_position=int(alone.output_start[0]), end_position=int(alone.decode_end[0]),
-                                 joined=time.perf_counter(), compile_at_join=self.compile_s,
-                                 backend_at_join=self.backend_s))
+        self.waiting.append(row)
 
-    def _extent(self, rows: Sequence[_Row]) -> tuple[int, int]:
-        """The canvas rows need before their current block, and from its start on."""
-        return (max(row.block_position for row in rows),
-                max(row.end_position - row.block_position for row in rows))
+    @abstractmethod
+    def _new_row(self, prompt: Sequence[int], settings: GenerationSettings, seed: int, **common) -> Row:
+        """The row of a request (its clear error, when no bucket holds it alone)."""
 
-    def _joining(self) -> list[_Row]:
-        """The waiting rows that join now: in order, while the batch and the largest canvas hold them."""
-        joining = []
-        for row in self.waiting[:self.capacity - len(self.rows)]:
-            left, right = self._extent([*self.rows, *joining, row])
-            if left + right > self.backend.ladder.max_canvas:
-                break
-            joining.append(row)
-        return joining
+    @abstractmethod
+    def _fits(self, rows: Sequence[Row]) -> bool:
+        """Whether the largest bucket holds `rows` together."""
+
+    @abstractmethod
+    def _place(self, joining: Sequence[Row]) -> None:
+        """Move the batch to a bucket that holds its rows and `joining`, and place `joining` in free slots."""
 
     def _place_waiting(self) -> None:
-        joining = self._joining()
-        if not joining:
-            return
-        self.waiting = self.waiting[len(joining):]
-        every = [*self.rows, *joining]
-        left, right = self._extent(every)
-        ladder, state = self.backend.ladder, self.state
-        batch = ladder.batch_for(len(every))
-        if (state is None or not self.rows or state.bucket.batch != batch or self.column < left
-                or state.bucket.canvas - self.column < right):
-            self._move(batch, left, right)
-        free = sorted(set(range(self.state.bucket.batch)) - {row.slot for row in self.rows})
-        for row, slot in zip(joining, free):
-            row.slot = slot
-            self.state.place_row(slot, row.layout, self.column - row.block_position, row.params)
-        self.rows = every
-
-    def _move(self, batch: int, left: int, right: int) -> None:
-        """Put the batch in the bucket of `batch` rows that holds `left + right` positions, the column
-        `right` positions before its end; running rows move with it, to slots 0, 1, ..."""
-        key = self.key
-        canvas = self.backend.ladder.canvas_for(left + right, key.block_length)
-        bucket = Bucket(batch=batch, canvas=canvas, block=key.block_length, guided=key.cfg_scale > 0,
-                        cached=key.cache != "none")
-        column = canvas - right
-        old = self.state
-        self.state = self.backend.prepare(bucket, owner=self) if old is None or bucket != old.bucket else old
-        if old is None or not self.rows:
-            self.state.reset(key.cfg_scale)
-        else:
-            self.state.take_rows(old, [row.slot for row in self.rows], column - self.column)
-        if old is not None and old is not self.state:
-            self.backend.release(old)
-        for slot, row in enumerate(self.rows):
-            row.slot = slot
-        self.column = column
-
-    def _shrink(self) -> None:
-        """Move the rows still running to a smaller bucket once they fit one."""
-        if self.rows and self.backend.ladder.batch_for(len(self.rows)) < self.state.bucket.batch:
-            self._move(self.backend.ladder.batch_for(len(self.rows)), *self._extent(self.rows))
+        """The waiting rows join, in order, while the batch and the largest bucket hold them."""
+        joining = []
+        for row in self.waiting[:self.capacity - len(self.rows)]:
+            if not self._fits([*self.rows, *joining, row]):
+                break
+            joining.append(row)
+        if joining:
+            self.waiting = self.waiting[len(joining):]
+            self._place(joining)
+            self.rows = [*self.rows, *joining]
 
     # -- one block ----------------------------------------------------------------------------------
     def run_block(self) -> list[BlockUpdate]:
@@ -228,125 +189,98 @@ class RunningBatch:
         cancelled = not self._run_steps()
         return self._end_block(cancelled)
 
-    def _start_block(self) -> int:
-        """Point the state at the column with each row's schedule; returns the block's step budget."""
-        state, key, block = self.state, self.key, self.key.block_length
-        masked = (state.canvas[:, self.column:self.column + block] == self.spec.mask_id).sum(-1)
-        budgets = {row.slot: row.settings.block_steps() for row in self.rows}
-        budget = max(budgets.values())
-        if len(set(budgets.values())) == 1:
-            schedule = key.policy.schedule(masked, block, budget)
-        else:  # rows whose gen-lengths give them other budgets (the fixed policy's steps)
-            schedule = torch.full((state.bucket.batch, budget), block, dtype=torch.long, device=masked.device)
-            for steps in set(budgets.values()):
-                slots = torch.tensor([slot for slot, b in budgets.items() if b == steps], device=masked.device)
-                schedule[slots, :steps] = key.policy.schedule(masked[slots], block, steps)
-        device_step.start_block(state, self.column, schedule)
-        return budget
+    @abstractmethod
+    def _start_block(self) -> tuple[int, int]:
+        """Point the state at every row's current block; returns the block's step budget and the most
+        positions a row has left to decode."""
+
+    @abstractmethod
+    def _calls(self, taken: int, steps: int) -> list[tuple[object, int]]:
+        """The step programs that run the next `steps` steps, with their counts."""
+
+    @abstractmethod
+    def _read_progress(self, steps: int) -> tuple[int, int]:
+        """The one host read per K steps: the most positions a row has left, and the forwards that did work."""
+
+    @abstractmethod
+    def _steps_per_sync(self, budget_left: int, remaining: int, taken: int) -> int:
+        """K: the steps to run before the next host read."""
+
+    def _steps_ended(self, taken: int, remaining: int, worked: int) -> None:
+        """The block's steps are over: `taken` ran, `worked` of them did work."""
 
     def _run_steps(self) -> bool:
         """Run the block's steps until every row's block is done or the budget is spent; False when
         every row was cancelled on the way."""
-        key, state, spec = self.key, self.state, self.spec
-        budget = self._start_block()
-        first, later = device_step.kinds_for_block(
-            key.cache, spec.block_causal, state.bucket.canvas, self.column, state.bucket.block,
-            first_block=any(row.block == 0 for row in self.rows),
-            sampling=any(row.settings.temperature > 0 for row in self.rows),
-            confidence=key.policy.confidence, editing=key.policy.edits, lookbehind=spec.logits_shift)
-        taken, remaining, worked_before = 0, key.block_length, self.worked
+        budget, remaining = self._start_block()
+        taken, worked_before = 0, self.worked
         try:
             while taken < budget and remaining > 0:
                 if all(row.cancelled for row in self.rows):
                     return False
                 steps = self._steps_per_sync(budget - taken, remaining, taken)
-                calls = [(first, 1), (later, steps - 1)] if taken == 0 else [(later, steps)]
-                calls = [(kind, count) for kind, count in calls if count]
-                self.compile_s += sum(self.backend.prepare_steps(state, kind, count) for kind, count in calls)
+                calls = [(kind, count) for kind, count in self._calls(taken, steps) if count]
+                self.compile_s += sum(self.backend.prepare_steps(self.state, kind, count) for kind, count in calls)
                 tick = time.perf_counter()
                 for kind, count in calls:
-                    self.backend.run(state, kind, count)
-                status = state.status.tolist()  # the one host read per K steps
+                    self.backend.run(self.state, kind, count)
+                remaining, self.worked = self._read_progress(steps)
                 self.backend_s += time.perf_counter() - tick
                 taken += steps
                 self.executed += steps
-                remaining = max(status[:-1])  # rows that are done or padding have none
-                self.worked = status[-1]
                 if self.on_step is not None:
                     for _ in range(steps):
                         self.on_step()
             return True
         finally:
-            for row in self.rows:
-                row.forwards += self.worked - worked_before
-            if taken:
-                self.tokens_per_forward = (key.block_length - remaining) / taken
-
-    def _steps_per_sync(self, budget_left: int, remaining: int, taken: int) -> int:
-        """K: the steps to run before the next host read."""
-        if self.key.steps_per_sync is not None:
-            return min(self.key.steps_per_sync, budget_left)
-        if self.spec.device.type != "cuda":
-            return 1
-        return automatic_steps(budget_left, remaining, taken, self.key.block_length, self.tokens_per_forward)
+            self._steps_ended(taken, remaining, self.worked - worked_before)
 
     # -- rows out -----------------------------------------------------------------------------------
+    @abstractmethod
+    def _read_block(self, cancelled: list[bool]) -> list[BlockOutcome]:
+        """Each row's outcome of the block (one host read); `cancelled` says which rows leave cancelled."""
+
+    @abstractmethod
+    def _advance(self, keep: list[Row], leaving: list[int]) -> None:
+        """Move the rows in `keep` to their next block, and free the slots `leaving`."""
+
+    @abstractmethod
+    def _generated_tokens(self, settled: list[int], reason: str) -> int:
+        """The tokens a finished row decoded."""
+
     def _end_block(self, every_row_cancelled: bool) -> list[BlockUpdate]:
-        block_end = self.column + self.key.block_length
         cancelled = [every_row_cancelled or row.cancelled for row in self.rows]  # read once: another thread sets it
-        outputs = self._read_outputs([self.state.bucket.canvas if gone else block_end for gone in cancelled])
-        edits = self.state.edits.tolist() if self.key.policy.edits else None
         updates, keep, leaving = [], [], []
-        for row, gone, output in zip(self.rows, cancelled, outputs):
-            settled = output[:row.settings.gen_length]
-            if gone:
-                reason, stops = "cancelled", False
-            else:
-                eos_hit = any(t in self.eos for t in settled)
-                stops = eos_hit and not row.settings.ignore_eos and bool(self.eos)
-                finished = stops or row.block_position + self.key.block_length >= row.end_position
-                reason = ("eos" if eos_hit else "length") if finished else None
-            update = self._update(row, -1 if gone else row.block, settled, reason)
-            if update.token_ids or reason:
+        for row, gone, outcome in zip(self.rows, cancelled, self._read_block(cancelled)):
+            update = self._update(row, -1 if gone else row.block, outcome.settled, outcome.reason)
+            if update.token_ids or outcome.reason:
                 updates.append(update)
-            if reason is None:
+            if outcome.reason is None:
                 keep.append(row)
-                continue
-            fill = self.spec.eos_ids[0] if stops else self.spec.mask_id
-            self._finish(row, settled, fill, edits[row.slot] if edits else 0, reason)
-            leaving.append(row.slot)
+            else:
+                self._finish(row, outcome)
+                leaving.append(row.slot)
+        self.rows = keep
+        self._advance(keep, leaving)
         for row in keep:
             row.block += 1
-            row.block_position += self.key.block_length
-        self.column = block_end
-        self.rows = keep
-        if keep:  # an empty batch is reset when rows next join
-            self.state.clear_rows(leaving)
-            self._shrink()
         return updates
 
-    def _read_outputs(self, ends: list[int]) -> list[list[int]]:
-        """Each row's canvas from its first generated position to its end in `ends` (one host read)."""
-        starts = [self.column - row.block_position + row.output_position for row in self.rows]
-        first = min(starts)
-        ids = self.state.canvas[:, first:max(ends)].tolist()
-        return [ids[row.slot][start - first:end - first] for row, start, end in zip(self.rows, starts, ends)]
-
-    def _update(self, row: _Row, block: int, settled: list[int], reason: str | None) -> BlockUpdate:
+    def _update(self, row: Row, block: int, settled: list[int], reason: str | None) -> BlockUpdate:
         new = completion(settled[row.emitted:], self.stop_ids)
         row.emitted += len(new)
         return BlockUpdate(row.tag, block, new, reason)
 
-    def _finish(self, row: _Row, settled: list[int], fill: int, edits: int, reason: str) -> None:
-        """Record a finished row: its `settled` output, then `fill` (EOS after a stop, else the mask)."""
-        decoded = sum(t != self.spec.mask_id for t in settled)
+    def _finish(self, row: Row, outcome: BlockOutcome) -> None:
+        """Record a finished row: its settled output, then the outcome's fill."""
         metrics = GenerationMetrics(
-            nfe=row.forwards, sequence_forwards=row.forwards, generated_tokens=decoded,
-            prompt_tokens=row.output_position, batch_size=1, edits=edits,
+            nfe=row.forwards, sequence_forwards=row.forwards,
+            generated_tokens=self._generated_tokens(outcome.settled, outcome.reason),
+            prompt_tokens=row.prompt_length, batch_size=1, edits=outcome.edits,
             latency_s=time.perf_counter() - row.joined - (self.compile_s - row.compile_at_join),
             backend_s=self.backend_s - row.backend_at_join)
-        tokens = settled + [fill] * (row.settings.gen_length - len(settled))
-        self.finished[row.tag] = FinishedRow(tokens, reason, metrics)
+        tokens = outcome.settled + [outcome.fill] * (row.settings.gen_length - len(outcome.settled))
+        self.finished[row.tag] = FinishedRow(tokens, outcome.reason, metrics)
 
     def close(self) -> None:
         """Give the bucket back (rows not finished are dropped)."""

@@ -8,16 +8,13 @@
 One worker thread owns the backend. It runs the `RunningBatch` (`dlmrt.runtime.running_batch`) one
 block at a time; at each block boundary the rows that finished leave, and waiting requests join in
 arrival order. Rows share a batch when their settings agree on everything but what each row carries
-itself (`running_batch.batch_key`: gen-length, seed, ignore_eos, temperature, the policy's threshold
-or factor); a request with other settings waits for the running batch to finish (first come, first
+itself (`running_batch.batch_key`: gen-length, seed, ignore_eos, temperature, the policy's per-row
+fields); a request with other settings waits for the running batch to finish (first come, first
 served: nothing is admitted past it meanwhile), then starts the next batch.
 
 A request receives its `BlockUpdate`s, then exactly one `Finished` or `Failed`. A request that cannot
 join (a bad row) fails alone; an exception inside a block fails the rows of that batch, and the
 worker goes on with the next request.
-
-Uniform-noise models (DiffusionGemma) have no RunningBatch yet: their requests run one at a time,
-through the Generator.
 """
 
 from __future__ import annotations
@@ -31,7 +28,7 @@ from dataclasses import dataclass, field
 
 from dlmrt.core.errors import DlmrtError
 from dlmrt.runtime.backend import Backend
-from dlmrt.runtime.running_batch import BlockUpdate, FinishedRow, RunningBatch
+from dlmrt.runtime.running_batch import BlockUpdate, FinishedRow, RunningBatch, open_batch
 from dlmrt.runtime.settings import GenerationSettings
 
 TOKENS_PER_SECOND_WINDOW_S = 10.0
@@ -151,14 +148,8 @@ class Scheduler:
                     self._lock.wait()
                 if not self._queue and not self._busy():
                     return  # draining, and nothing is left
-                if self.backend.spec.noise == "uniform":
-                    alone = self._queue.popleft()
-                else:
-                    alone = None
-                    self._admit()
-            if alone is not None:
-                self._run_alone(alone)
-            elif self._busy():
+                self._admit()
+            if self._busy():
                 self._run_block()
 
     def _busy(self) -> bool:
@@ -172,7 +163,7 @@ class Scheduler:
         while self._queue:
             ticket = self._queue[0]
             if self._batch is None:
-                self._batch = RunningBatch(self.backend)
+                self._batch = open_batch(self.backend)
             if not self._batch.accepts(ticket.settings):
                 return
             self._queue.popleft()
@@ -207,21 +198,6 @@ class Scheduler:
             _deliver(self._tickets.pop(tag), Finished(row))
             self.stats.finished += 1
             self.stats.cancelled += row.finish_reason == "cancelled"
-
-    def _run_alone(self, ticket: Ticket) -> None:
-        from dlmrt.runtime.generator import Generator
-
-        try:
-            stream = Generator(self.backend).stream([ticket.prompt], ticket.settings, cancel=ticket)
-            for update in stream:
-                self._count([update], 0, 0)
-                _deliver(ticket, update)
-            row = stream.result.rows[0]
-            self._count([], row.metrics.nfe, row.metrics.sequence_forwards)
-            _deliver(ticket, Finished(FinishedRow(stream.result.tokens[0].tolist(), row.finish_reason, row.metrics)))
-            self.stats.finished += 1
-        except Exception as error:
-            self._fail(ticket, error)
 
     def _count(self, updates: list[BlockUpdate], forwards: int, sequence_forwards: int) -> None:
         tokens = sum(len(update.token_ids) for update in updates)

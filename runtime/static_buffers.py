@@ -25,3 +25,11 @@ class StaticBuffers:
     def restore(self, saved: dict[str, Tensor]) -> None:
         for name, tensor in saved.items():
             getattr(self, name).copy_(tensor)
+
+
+def shifted_copy(target: Tensor, source: Tensor, shift: int, dim: int) -> None:
+    """target[..., i + shift, ...] = source[..., i, ...] along `dim`, where both exist."""
+    first = max(0, -shift)
+    count = min(source.shape[dim], target.shape[dim] - shift) - first
+    if count > 0:
+        target.narrow(dim, first + shift, count).copy_(source.narrow(dim, first, count))

@@ -137,7 +137,7 @@ def test_the_host_reads_the_device_once_per_k_steps(llada, k):
     (24, 1, 8, None, 1),  # at least one
 ])
 def test_automatic_k_plans_the_steps_the_block_still_needs(budget_left, remaining, taken, last_rate, expected):
-    from dlmrt.runtime.running_batch import automatic_steps
+    from dlmrt.runtime.mask_batch import automatic_steps
 
     assert automatic_steps(budget_left, remaining, taken, 32, last_rate) == expected
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from dlmrt.runtime import Factor, Fixed, GenerationSettings, Generator, LLaDA2, ResidualPolicy, Threshold
-from dlmrt.runtime.running_batch import RunningBatch
+from dlmrt.runtime.running_batch import open_batch
 from dlmrt.runtime.torch_backend import TorchBackend
 
 # (tag, prompt, gen_length, seed, the block boundary it joins at, the boundary it is cancelled at)
@@ -45,7 +45,7 @@ def run_staggered(backend, settings, requests=REQUESTS, own=None):
     """Decode `requests` in one RunningBatch, each joining and cancelled at its boundary, with the
     settings `own[tag]` replaces for it; returns the finished rows, the blocks the rows were at in each
     block, and the buckets used."""
-    batch = RunningBatch(backend)
+    batch = open_batch(backend)
     cancels = {tag: threading.Event() for tag, *_ in requests}
     blocks_seen, buckets, boundary = [], [], 0
     while boundary == 0 or batch.active or any(joins >= boundary for *_, joins, _ in requests):
@@ -102,7 +102,7 @@ def test_a_row_decodes_as_alone_under_cuda_graphs(request, case):
 def test_a_cancelled_row_leaves_the_batch_at_the_next_boundary(llada):
     backend = TorchBackend(llada, mode="eager", max_batch=4)
     settings = GenerationSettings(16, 4, Threshold(0.3), ignore_eos=True)
-    batch = RunningBatch(backend)
+    batch = open_batch(backend)
     cancel = threading.Event()
     batch.add("stays", [5, 6, 7], settings, seed=0)
     batch.add("goes", [8, 9], settings, seed=1, cancel=cancel)
@@ -122,7 +122,7 @@ def test_rows_wait_while_the_largest_canvas_cannot_hold_them(llada):
     backend = TorchBackend(llada, mode="eager", max_batch=4)
     backend.ladder = replace(backend.ladder, max_canvas=32)
     long_prompt = list(range(5, 21))
-    batch = RunningBatch(backend)
+    batch = open_batch(backend)
     batch.add("first", long_prompt, GenerationSettings(16, 4, Threshold(0.3), ignore_eos=True), seed=0)
     batch.run_block()
     # 16 + 4 positions before its current block and 12 after: a second 16 + 16 row does not fit beside it
@@ -136,7 +136,7 @@ def test_rows_wait_while_the_largest_canvas_cannot_hold_them(llada):
 
 
 def test_a_row_with_other_settings_is_refused(llada):
-    batch = RunningBatch(TorchBackend(llada, mode="eager"))
+    batch = open_batch(TorchBackend(llada, mode="eager"))
     batch.add("a", [5, 6], GenerationSettings(8, 4, Threshold(0.3)), seed=0)
     for own in (GenerationSettings(16, 4, Threshold(0.3), seed=9, ignore_eos=True),
                 GenerationSettings(8, 4, Threshold(0.5), temperature=0.7)):
@@ -175,7 +175,7 @@ def test_rows_with_their_own_temperature_and_threshold_share_a_batch(request, ca
 def test_a_batch_that_emptied_takes_new_rows_as_fresh(orl):
     backend = TorchBackend(orl, mode="eager", max_batch=4)
     settings = GenerationSettings(8, 4, ResidualPolicy(Threshold(0.3)), ignore_eos=True)
-    batch, cancel = RunningBatch(backend), threading.Event()
+    batch, cancel = open_batch(backend), threading.Event()
     batch.add("a", [5, 6, 7], replace(settings, gen_length=16), seed=0, cancel=cancel)
     batch.run_block()
     assert batch.state.z.abs().sum() > 0  # a's residual
@@ -198,7 +198,7 @@ def test_k_v_is_written_before_it_is_read_when_rows_join(request, case):
     whole storage at every boundary where rows join: every row's tokens are still those it gets alone."""
     model_name, settings = CASES[case]
     backend = TorchBackend(request.getfixturevalue(model_name), mode="eager", max_batch=4)
-    batch = RunningBatch(backend)
+    batch = open_batch(backend)
     noise = torch.Generator().manual_seed(0)
     requests = [("a", [5, 6, 7, 8, 9], 16, 0, 0, None), ("b", [10, 11], 8, 1, 1, None),
                 ("c", [12, 13, 14], 12, 2, 2, None)]
@@ -228,3 +228,27 @@ def test_onnx_runtime_rows_decode_as_alone_whatever_joins_or_leaves(tiny_export,
     assert any(len(set(blocks)) > 1 for blocks in blocks_seen)
     assert len({bucket.batch for bucket in buckets}) > 1 and len({bucket.canvas for bucket in buckets}) > 1
     assert_each_row_as_alone(Generator(backend), finished, settings, own)
+
+
+def test_uniform_noise_rows_decode_as_alone_whatever_joins_or_leaves():
+    """DiffusionGemma rows at different blocks: the bucket grows (batch, prompt region, blocks) and
+    shrinks under them, a row's committed blocks move with its storage, and one is cancelled."""
+    import dlmrt
+    from dlmrt.runtime import EntropyBound, text
+
+    gemma = dlmrt.load(dlmrt.TINY_MODEL_DIR.parent / "tiny-diffusion-gemma")
+    requests = [(tag, text.encode(gemma, prompt), gen_length, seed, joins, cancelled_at)
+                for tag, prompt, gen_length, seed, joins, cancelled_at in [
+                    ("a", "sort:3142=", 24, 0, 0, None), ("long", "sort:9182736455463728=", 8, 1, 0, None),
+                    ("b", "add:12+34=", 8, 2, 1, None), ("gone", "sort:97=", 32, 3, 2, 3),
+                    ("d", "add:5+6=", 32, 4, 2, None), ("e", "sort:21=", 8, 5, 3, None),
+                    ("g", "sort:5=", 16, 6, 3, None)]]
+    settings = GenerationSettings(8, 8, EntropyBound(steps=12))
+    own = {tag: {"ignore_eos": True} for tag in ("a", "gone", "d", "g")}  # the rest stop at their EOS
+    backend = TorchBackend(gemma, mode="eager", max_batch=4)
+    finished, blocks_seen, buckets = run_staggered(backend, settings, requests, own)
+    assert any(len(set(blocks)) > 1 for blocks in blocks_seen)  # rows really ran at different blocks
+    for size in ("batch", "prompt", "blocks"):
+        assert len({getattr(bucket, size) for bucket in buckets}) > 1, size
+    assert finished["gone"].finish_reason == "cancelled"
+    assert_each_row_as_alone(Generator(backend), finished, settings, own, requests)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -220,7 +221,7 @@ def test_metrics_count_tokens_and_rejections(client, model):
     assert 0 < values["dlmrt_tokens_per_forward"] and values["dlmrt_request_latency_seconds_count"] >= 1
 
 
-def test_a_uniform_noise_model_is_served_one_request_at_a_time():
+def test_a_uniform_noise_model_is_served_in_one_batch():
     gemma = dlmrt.load(dlmrt.TINY_MODEL_DIR.parent / "tiny-diffusion-gemma")
     client = TestClient(create_app(gemma, TorchBackend(gemma, mode="eager")))
     reply = client.post("/v1/completions", json={"model": gemma.name, "prompt": "sort:3142="})
@@ -235,3 +236,43 @@ def test_a_uniform_noise_model_is_served_one_request_at_a_time():
     assert isinstance(settings.policy, EntropyBound)
     expected = Generator(gemma, mode="eager").generate([text.encode(gemma, "sort:3142=")], settings).rows[0]
     assert reply.json()["choices"][0]["token_ids"] == expected.token_ids
+
+
+def test_staggered_uniform_noise_requests_share_the_batch_and_get_their_tokens_alone():
+    """Four DiffusionGemma requests, each submitted when the one before streams its first block (from
+    the worker's delivery, so it joins at the next block boundary): they run side by side, at
+    different blocks, and each gets the tokens it gets alone."""
+    from dlmrt.runtime.scheduler import Finished, Scheduler
+
+    gemma = dlmrt.load(dlmrt.TINY_MODEL_DIR.parent / "tiny-diffusion-gemma")
+    requests = [("sort:3142=", 48, 0, True), ("add:12+34=", 40, 1, True), ("sort:97=", 8, 2, False),
+                ("add:5+6=", 16, 3, True)]
+    settings = [GenerationSettings(gen_length, 8, EntropyBound(steps=12), seed=seed, ignore_eos=ignore_eos)
+                for _, gen_length, seed, ignore_eos in requests]
+    scheduler = Scheduler(TorchBackend(gemma, mode="eager", max_batch=4))
+    events, sharing = [[] for _ in requests], []
+
+    def submit(index):
+        scheduler.submit(text.encode(gemma, requests[index][0]), settings[index],
+                         lambda event: deliver(index, event))
+
+    def deliver(index, event):
+        events[index].append(event)
+        sharing.append(scheduler.running_rows)
+        if len(events[index]) == 1 and index + 1 < len(requests):
+            submit(index + 1)
+
+    submit(0)
+    for _ in range(200):
+        if all(row and isinstance(row[-1], Finished) for row in events):
+            break
+        time.sleep(0.1)
+    scheduler.stop(timeout=60)
+    assert max(sharing) >= 3  # rows ran side by side
+    alone = Generator(gemma, mode="eager")
+    for index, (prompt, *_) in enumerate(requests):
+        assert isinstance(events[index][-1], Finished), events[index][-1]
+        expected = alone.generate([text.encode(gemma, prompt)], settings[index])
+        assert events[index][-1].row.tokens == expected.tokens[0].tolist(), prompt
+        streamed_ids = [t for event in events[index][:-1] for t in event.token_ids]
+        assert streamed_ids == expected.rows[0].token_ids, prompt

@@ -110,17 +110,17 @@ def test_the_loop_matches_a_plain_loop_row_by_row(trained, policy):
 def test_the_decoder_over_the_storage_is_the_plain_decoder(model):
     """The step's decoder reads the bucket's cache storage (prompt left-padded to whole blocks, unwritten
     slots masked): the same logits as the plain decoder over the prompt's own cache, to float rounding."""
+    from dlmrt.runtime.running_batch import open_batch
     from dlmrt.runtime.torch_backend import TorchBackend, _TorchCanvasGraphs
-    from dlmrt.runtime.uniform_noise import UniformNoiseRun
 
     prompt = PROMPTS[0]
-    run = UniformNoiseRun(TorchBackend(model, mode="eager"), [prompt], GenerationSettings(16, 8, EntropyBound()),
-                          None, None)
-    state = run.state
-    assert state.bucket.prompt == 8 and state.bucket.storage == 16  # 4 tokens of padding, 8 unwritten slots
+    batch = open_batch(TorchBackend(model, mode="eager"))
+    batch.add(0, prompt, GenerationSettings(16, 8, EntropyBound()), seed=0)
     with torch.no_grad():
-        run._encode(run.prompt_ids, (run.prompt_mask.long().cumsum(-1) - 1).clamp(min=0), run.prompt_mask, None, 0)
-        state.start_block(0, model.vocab_size)
+        batch._place_waiting()  # the row joins: the encoder writes its prompt's K/V
+        state = batch.state
+        assert state.bucket.prompt == 8 and state.bucket.storage == 16  # 4 tokens of padding, 8 unwritten slots
+        state.start_blocks(model.vocab_size)
         got = _TorchCanvasGraphs(model).decode(state)
         positions = torch.arange(len(prompt), len(prompt) + 8)[None]
         expected = model.denoise(state.canvas, positions=positions, past=model.encode(torch.tensor([prompt]))).logits

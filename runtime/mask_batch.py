@@ -1,0 +1,201 @@
+"""The running batch of a mask model: rows at different blocks share the step through one canvas column.
+
+Each row carries its block position (the position, counted in its own tokens, where its current
+block starts) and is placed on the canvas so that its current block starts at the batch's column: a
+row that joins late sits further right than one near its end. Positions, which the attention, the
+rotary embedding, the block-causal grid and the sampler's random numbers read, are each row's own,
+and the canvas around a row is padding no position sees, so a row decodes exactly as it would alone
+(see docs/continuous-batching.md). The exported step graph keeps one window and one block index for
+the whole batch, so the ONNX graphs and TensorRT engines serve a continuous batch as they are.
+
+When rows join or leave, the batch moves to the bucket that holds it (the smallest batch and canvas
+of the backend's ladder), and the column moves with it. Between those boundaries nothing moves:
+every row advances one block, and so does the column.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from dlmrt.plugins.parallel_unmask import MEASURE_CODES
+from dlmrt.runtime import device_step
+from dlmrt.runtime import layout as layouts
+from dlmrt.runtime.device_state import Bucket
+from dlmrt.runtime.running_batch import BlockOutcome, Row, RunningBatch
+from dlmrt.runtime.settings import GenerationSettings
+
+
+def automatic_steps(budget_left: int, remaining: int, taken: int, block_length: int,
+                    tokens_per_forward: float | None) -> int:
+    """K on CUDA: as many steps as the block is expected to need still, at the tokens per forward of
+    its steps so far (once it has taken some) or of the last block, so that few steps are no-ops;
+    one step while nothing is known. `remaining` is the most masked positions a row has left."""
+    rate = (block_length - remaining) / taken if taken else tokens_per_forward
+    if not rate or rate <= 0:
+        return 1
+    return max(1, min(budget_left, int(remaining / rate)))
+
+
+@dataclass(kw_only=True)
+class MaskRow(Row):
+    layout: layouts.Layout  # the row alone, on its own canvas
+    block_position: int  # where its current block starts, in the row's positions
+    end_position: int  # after the last position it denoises
+
+
+@dataclass
+class MaskBatch(RunningBatch):
+    column: int = 0  # canvas index of every row's current block
+    tokens_per_forward: float | None = None  # what an automatic K plans with: the last block's
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        return (*self.spec.eos_ids, self.spec.mask_id)
+
+    def check_call(self, prompts: Sequence[Sequence[int]], settings: GenerationSettings) -> None:
+        ladder, block = self.backend.ladder, settings.block_length
+        ladder.batch_for(len(prompts))
+        ladder.canvas_for(layouts.canvas_length(prompts, settings.gen_length, block,
+                                                block_causal=self.spec.block_causal), block)
+
+    # -- rows in ------------------------------------------------------------------------------------
+    def _new_row(self, prompt: Sequence[int], settings: GenerationSettings, seed: int, **common) -> MaskRow:
+        spec, block = self.spec, settings.block_length
+        alone = layouts.build([prompt], settings.gen_length, block, block_causal=spec.block_causal,
+                              pad_id=spec.pad_id, mask_id=spec.mask_id)
+        self.backend.ladder.canvas_for(alone.length, block)  # one clear error for a row no bucket holds
+        policy = settings.policy
+        params = {"threshold": policy.threshold_value, "factor": policy.factor_value,
+                  "temperature": settings.temperature, "seed": seed, "measure": MEASURE_CODES[policy.confidence],
+                  "edit_threshold": policy.edit_threshold_value, "max_post_steps": policy.post_steps}
+        # the row alone has no left padding: canvas index = position
+        return MaskRow(settings=settings, params=params, layout=alone, block_position=alone.first_block_start,
+                       prompt_length=int(alone.output_start[0]), end_position=int(alone.decode_end[0]), **common)
+
+    def _extent(self, rows: Sequence[MaskRow]) -> tuple[int, int]:
+        """The canvas rows need before their current block, and from its start on."""
+        return (max(row.block_position for row in rows),
+                max(row.end_position - row.block_position for row in rows))
+
+    def _fits(self, rows: Sequence[MaskRow]) -> bool:
+        return sum(self._extent(rows)) <= self.backend.ladder.max_canvas
+
+    def _place(self, joining: Sequence[MaskRow]) -> None:
+        left, right = self._extent([*self.rows, *joining])
+        batch = self.backend.ladder.batch_for(len(self.rows) + len(joining))
+        state = self.state
+        if (state is None or not self.rows or state.bucket.batch != batch or self.column < left
+                or state.bucket.canvas - self.column < right):
+            self._move(batch, left, right)
+        free = sorted(set(range(self.state.bucket.batch)) - {row.slot for row in self.rows})
+        for row, slot in zip(joining, free):
+            row.slot = slot
+            self.state.place_row(slot, row.layout, self.column - row.block_position, row.params)
+
+    def _move(self, batch: int, left: int, right: int) -> None:
+        """Put the batch in the bucket of `batch` rows that holds `left + right` positions, the column
+        `right` positions before its end; running rows move with it, to slots 0, 1, ..."""
+        key = self.key
+        canvas = self.backend.ladder.canvas_for(left + right, key.block_length)
+        bucket = Bucket(batch=batch, canvas=canvas, block=key.block_length, guided=key.cfg_scale > 0,
+                        cached=key.cache != "none")
+        column = canvas - right
+        old = self.state
+        self.state = self.backend.prepare(bucket, owner=self) if old is None or bucket != old.bucket else old
+        if old is None or not self.rows:
+            self.state.reset(key.cfg_scale)
+        else:
+            self.state.take_rows(old, [row.slot for row in self.rows], column - self.column)
+        if old is not None and old is not self.state:
+            self.backend.release(old)
+        for slot, row in enumerate(self.rows):
+            row.slot = slot
+        self.column = column
+
+    # -- one block ----------------------------------------------------------------------------------
+    def _start_block(self) -> tuple[int, int]:
+        """Point the state at the column with each row's schedule, and choose the block's step kinds."""
+        state, key, block = self.state, self.key, self.key.block_length
+        masked = (state.canvas[:, self.column:self.column + block] == self.spec.mask_id).sum(-1)
+        budgets = {row.slot: row.settings.block_steps() for row in self.rows}
+        budget = max(budgets.values())
+        if len(set(budgets.values())) == 1:
+            schedule = key.policy.schedule(masked, block, budget)
+        else:  # rows whose gen-lengths give them other budgets (the fixed policy's steps)
+            schedule = torch.full((state.bucket.batch, budget), block, dtype=torch.long, device=masked.device)
+            for steps in set(budgets.values()):
+                slots = torch.tensor([slot for slot, b in budgets.items() if b == steps], device=masked.device)
+                schedule[slots, :steps] = key.policy.schedule(masked[slots], block, steps)
+        device_step.start_block(state, self.column, schedule)
+        self._kinds = device_step.kinds_for_block(
+            key.cache, self.spec.block_causal, state.bucket.canvas, self.column, state.bucket.block,
+            first_block=any(row.block == 0 for row in self.rows),
+            sampling=any(row.settings.temperature > 0 for row in self.rows),
+            confidence=key.policy.confidence, editing=key.policy.edits, lookbehind=self.spec.logits_shift)
+        return budget, block
+
+    def _calls(self, taken: int, steps: int) -> list[tuple[object, int]]:
+        first, later = self._kinds
+        return [(first, 1), (later, steps - 1)] if taken == 0 else [(later, steps)]
+
+    def _read_progress(self, steps: int) -> tuple[int, int]:
+        status = self.state.status.tolist()
+        return max(status[:-1]), status[-1]  # rows that are done or padding have no mask left
+
+    def _steps_per_sync(self, budget_left: int, remaining: int, taken: int) -> int:
+        if self.key.steps_per_sync is not None:
+            return min(self.key.steps_per_sync, budget_left)
+        if self.spec.device.type != "cuda":
+            return 1
+        return automatic_steps(budget_left, remaining, taken, self.key.block_length, self.tokens_per_forward)
+
+    def _steps_ended(self, taken: int, remaining: int, worked: int) -> None:
+        for row in self.rows:
+            row.forwards += worked
+        if taken:
+            self.tokens_per_forward = (self.key.block_length - remaining) / taken
+
+    # -- rows out -----------------------------------------------------------------------------------
+    def _read_block(self, cancelled: list[bool]) -> list[BlockOutcome]:
+        block_end = self.column + self.key.block_length
+        outputs = self._read_outputs([self.state.bucket.canvas if gone else block_end for gone in cancelled])
+        edits = self.state.edits.tolist() if self.key.policy.edits else None
+        outcomes = []
+        for row, gone, output in zip(self.rows, cancelled, outputs):
+            settled = output[:row.settings.gen_length]
+            if gone:
+                reason, stops = "cancelled", False
+            else:
+                eos_hit = any(t in self.eos for t in settled)
+                stops = eos_hit and not row.settings.ignore_eos and bool(self.eos)
+                finished = stops or row.block_position + self.key.block_length >= row.end_position
+                reason = ("eos" if eos_hit else "length") if finished else None
+            fill = self.spec.eos_ids[0] if stops else self.spec.mask_id
+            outcomes.append(BlockOutcome(settled, reason, fill, edits[row.slot] if edits else 0))
+        return outcomes
+
+    def _read_outputs(self, ends: list[int]) -> list[list[int]]:
+        """Each row's canvas from its first generated position to its end in `ends` (one host read)."""
+        starts = [self.column - row.block_position + row.prompt_length for row in self.rows]
+        first = min(starts)
+        ids = self.state.canvas[:, first:max(ends)].tolist()
+        return [ids[row.slot][start - first:end - first] for row, start, end in zip(self.rows, starts, ends)]
+
+    def _advance(self, keep: list[MaskRow], leaving: list[int]) -> None:
+        for row in keep:
+            row.block_position += self.key.block_length
+        self.column += self.key.block_length
+        if keep:  # an empty batch is reset when rows next join
+            self.state.clear_rows(leaving)
+            self._shrink()
+
+    def _shrink(self) -> None:
+        """Move the rows still running to a smaller bucket once they fit one."""
+        if self.rows and self.backend.ladder.batch_for(len(self.rows)) < self.state.bucket.batch:
+            self._move(self.backend.ladder.batch_for(len(self.rows)), *self._extent(self.rows))
+
+    def _generated_tokens(self, settled: list[int], reason: str) -> int:
+        return sum(t != self.spec.mask_id for t in settled)
