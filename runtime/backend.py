@@ -1,16 +1,6 @@
 """The backend contract: a graph runner under the one executor (`dlmrt.runtime.executor`).
 
-A backend owns the state of each shape bucket: `prepare(bucket, owner)` hands out its static buffers,
-allocated once (`DeviceState` for a mask model's `Bucket`, `CanvasState` for a uniform-noise model's
-`CanvasBucket`). Its own job is to run graphs: it binds a step program's graphs to a state's buffers
-(`step_graph` for the masked step, `uniform_graphs` for the uniform-noise step) and, for a
-uniform-noise model, runs the encoder that commits a block to the cache (`encode`). Everything above
-that, the K-step loop, the runner cache, compile, capture and the eager fallback, is the executor's:
-`prepare_steps` and `run` hand the program to it. The loop never knows which backend runs the step.
-
-Backends that run exported graphs (ONNX Runtime, TensorRT) are a `BindingBackend`: they bind a named
-graph to input and output buffers and get back a callable (`bind`), from which both step programs'
-graphs are made.
+Design notes: docs/runtime-modules.md#backend.
 """
 
 from __future__ import annotations

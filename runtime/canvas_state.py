@@ -1,21 +1,6 @@
 """A uniform-noise request's decoding state, in static buffers owned per shape bucket.
 
-The uniform-noise loop (`dlmrt.runtime.uniform_noise`) runs a DiffusionGemma-style model: each block
-is a canvas of W positions that the decoder denoises over [cache; canvas], and the encoder commits
-each finished canvas to the cache. A `CanvasBucket` fixes every shape a step sees:
-
-- B rows (the backend's batch ladder, as for mask models); rows beyond the request's are inert:
-  they are done from the start and see one pad token of their own;
-- a prompt region of P positions (the prompt width rounded up so that prompt and generated tokens
-  fill whole blocks); shorter prompts are left-padded, and padding counts no position;
-- the cache storage: the prompt region, then one slot of W per block that can be committed
-  (every block but the last), so S = P + (blocks - 1) * W. A step attends to all of it, masked to
-  what has been written (`past_key_mask`), so its shapes never change from block to block;
-- room for the temperature schedule: a power of two of at least 64 steps, so that runs with
-  different step counts share a bucket (and its compiled or captured steps).
-
-Every buffer is allocated once and keeps its address, so a step compiled or captured on a bucket
-stays valid for every request and every block that runs in it.
+Design notes: docs/runtime-modules.md#canvas_state.
 """
 
 from __future__ import annotations

@@ -2,17 +2,7 @@
 
     step(state, graphs)   decode [cache; canvas], then dlmrt::EntropyBoundStep, written back in place
 
-`graphs` runs the model's two graphs on the state: `decode(state)`, the decoder's float32 logits
-`[B, W, V]` over the cached storage and the canvas, and `soft_tokens(scaled_logits)`, the next step's
-self-conditioning `[B, W, H]` (the same module in torch, or an exported graph). Nothing here reads a
-device value on the host or branches on one, so K steps run back to back, compile into one graph with
-`torch.compile(fullgraph=True)` and capture into one CUDA graph; the host reads `state.done` once per
-K steps.
-
-A step for a row that is done (its block stopped, or it finished in an earlier block, or it is
-padding) leaves its canvas, draft and counters as they were: `entropy_bound_step` keeps the canvas of
-a finished row, and its argmax is kept here. So steps run after a row stopped change none of its
-tokens, and K changes how many forwards run, never a token.
+Design notes: docs/runtime-modules.md#canvas_step.
 """
 
 from __future__ import annotations

@@ -2,37 +2,7 @@
 
     step(state, kind, graph)   gather the window from the state, run the step graph on it, write back
 
-`graph` runs the step graph of `dlmrt.export.step_graph` (the same module in torch; an ONNX Runtime
-session or a TensorRT engine bound to the same buffers). Nothing here reads a device value on the
-host or depends on one in Python, so K steps run back to back, compile into one graph with
-`torch.compile(fullgraph=True)` and capture into one CUDA graph; the host reads `state.status` once
-per K steps.
-
-A step only does work for a row whose block still has work left (an active row): masked positions,
-or, under token editing, an editing-only step it may still take. For the others it is a no-op:
-nothing is written, and neither the row's random stream (`step`) nor its ORL residual moves, so
-running more steps than a block needs changes no token.
-
-Token editing (LLaDA2.1) follows its public generate per row: every step may overwrite committed
-tokens of the block; once the block has no mask, a row takes up to `max_post_steps` editing-only
-steps, and stops at the first that edits nothing. Rows edit at their own pace: each row's work
-left says when it is done.
-
-Which window a step covers depends on the cache mode (`kinds_for_block`):
-
-- cache none: the whole canvas; for block-causal models [0, block end).
-- prefix, bidirectional: first the whole canvas, written to the cache; then [block start, canvas
-  end) over the cache.
-- prefix, block-causal (the exact block cache): first the block before and this one (a request's
-  first block: [0, block end)), writing what precedes the block; then the block over the cache.
-- dual (bidirectional only): first the whole canvas, written to the cache; then the block over it.
-
-A family whose logits are shifted (Dream: position j's logits come from position j - 1) has its
-windows over the cache start `lookbehind` positions before the block, so that the block's first
-logits are computed (the prompt is never empty, so that position exists).
-
-A step over the cache attends to the whole storage, masked to the positions that hold K/V and lie
-outside its window (the window brings its own), so its shapes never change from block to block.
+Design notes: docs/runtime-modules.md#device_step.
 """
 
 from __future__ import annotations

@@ -3,23 +3,7 @@
     executor.prepare(state, program, steps)   # bind, compile or capture on first use; seconds spent
     executor.run(state, program, steps)       # enqueue the K steps, reading nothing back
 
-A step program is one kind of step (`StepProgram`): the masked step of a window and cache mode
-(`dlmrt.runtime.device_step.StepKind`) or the uniform-noise step (`dlmrt.runtime.canvas_step`). It
-binds its graphs to a state through the backend, and runs one step, in place, on those bound graphs.
-A backend is the graph runner under it: it binds a named graph to buffers and hands back a callable
-(a torch module, an ONNX Runtime IO binding, a TensorRT execution context). The executor owns
-everything above that seam, once:
-
-- the runner cache: one runner per state, program and K (a runner holds its state, so the state's
-  id stays its own), and one set of bound graphs per state and binding;
-- the modes: `eager` runs the K steps op by op; `compile` runs each step through one
-  `torch.compile(fullgraph=True, dynamic=False)` of the program's step function (dynamo keeps a graph
-  per bucket and program; K compiled steps back to back, since unrolling K multiplies the compile
-  time by K); `cudagraph` captures the K steps into one CUDA graph (`dlmrt.runtime.cuda_graphs`), every
-  graph in one memory pool;
-- what a failure to compile or capture does (`on_failure`): fall back to eager with one warning
-  (the default mode), explain it as an ArgumentError (a mode asked for by name), or raise it as it is
-  (a backend with one way to run).
+Design notes: docs/runtime-modules.md#executor.
 """
 
 from __future__ import annotations

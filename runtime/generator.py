@@ -6,20 +6,7 @@
     for update in gen.stream(prompts, settings):            # committed tokens, block by block
         ...
 
-A call is a `RunningBatch` (`dlmrt.runtime.running_batch`) whose rows all join at once: a
-`MaskBatch` for a mask model, whose rows are laid out on the canvas of a shape bucket
-(`dlmrt.runtime.device_state`) and whose blocks run at most `settings.block_steps()` steps of
-`dlmrt.runtime.device_step`, or a `UniformBatch` for a uniform-noise model
-(`dlmrt.runtime.uniform_noise`). Either runs K steps at a time (`settings.steps_per_sync`): the
-backend runs K steps back to back on the device, and the host reads one small status before it
-decides on the next K. Steps after a row's block is done are no-ops, so K changes how many forwards
-run, never a token.
-
-At a block boundary the host reads the block's tokens once: for streaming, and to see which rows
-ended. A row stops after the block in which it decoded an end-of-sequence token (unless
-`ignore_eos`) and leaves the batch, which moves to a smaller bucket once the rows still running fit
-one. `dlmrt serve` drives the same batches, with rows that join while others run
-(`dlmrt.runtime.scheduler`).
+Design notes: docs/runtime-modules.md#generator.
 """
 
 from __future__ import annotations

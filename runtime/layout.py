@@ -1,21 +1,6 @@
 """Where each row's prompt and generated tokens sit on the shared canvas of a batch.
 
-Bidirectional models (LLaDA) use blocks relative to the prompt, as LLaDA's
-generate does: prompts are left-padded to a common width P and the blocks tile
-[P, P + gen_length).
-
-Block-causal models (LLaDA2.x) use the absolute grid of their attention: a
-block is `position // block_length`, so the prompt's tail shares the first
-generated block and blocks wholly inside the prompt are never denoised; a row
-denoises up to the end of the block that holds its last requested token, as
-LLaDA2.x's generate does. In a batch, each row is shifted by a multiple of the
-block length so that every row's first generated block is the same canvas
-block; the canvas positions a row does not use are padding.
-
-Positions count each row's real tokens from 0, so a row decodes as it would alone. A running batch
-(`dlmrt.runtime.running_batch`) places each row's own layout on its bucket's canvas, so that every
-row's current block starts at one column; the canvas around a row is padding, which changes nothing
-the row computes.
+Design notes: docs/runtime-modules.md#layout.
 """
 
 from __future__ import annotations

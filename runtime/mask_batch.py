@@ -1,16 +1,6 @@
 """The running batch of a mask model: rows at different blocks share the step through one canvas column.
 
-Each row carries its block position (the position, counted in its own tokens, where its current
-block starts) and is placed on the canvas so that its current block starts at the batch's column: a
-row that joins late sits further right than one near its end. Positions, which the attention, the
-rotary embedding, the block-causal grid and the sampler's random numbers read, are each row's own,
-and the canvas around a row is padding no position sees, so a row decodes exactly as it would alone
-(see docs/continuous-batching.md). The exported step graph keeps one window and one block index for
-the whole batch, so the ONNX graphs and TensorRT engines serve a continuous batch as they are.
-
-When rows join or leave, the batch moves to the bucket that holds it (the smallest batch and canvas
-of the backend's ladder), and the column moves with it. Between those boundaries nothing moves:
-every row advances one block, and so does the column.
+Design notes: docs/runtime-modules.md#mask_batch.
 """
 
 from __future__ import annotations

@@ -1,18 +1,6 @@
 """Linear layers on oneDNN with prepacked weights: the CPU fast path's matmuls.
 
-torch's CPU matmuls go to its default BLAS (MKL in the PyPI wheels). At the step's shapes (a block
-of 32 tokens against weights that do not fit in cache) oneDNN with weights packed once into its
-blocked layout runs them 2-3x faster on the AVX-512 machines we measured (`scripts/bench_device_loop.py`
-prints both rates), in float32 with float32 accumulation: a different summation order, not a lower
-precision. torch.compile's own weight prepacking picks MKL's packed format for float32 on x86, which
-is no faster there, so the compile mode packs the weights itself.
-
-`prepack_linears(model)` returns a copy of the denoiser's module tree that shares every tensor with
-it, except that each `nn.Linear` becomes a `PackedLinear` holding the packed weight (the one extra
-copy of the weights that this costs). The packed matmul is the op `dlmrt::onednn_linear`, so that
-torch.compile calls it as it is (inductor lowers oneDNN's own linear only for frozen constants). It is
-registered with a plain `torch.library.Library` rather than `torch.library.custom_op`, whose wrapper
-costs about 5 us more per call: a tenth of a small step.
+Design notes: docs/runtime-modules.md#onednn.
 """
 
 from __future__ import annotations

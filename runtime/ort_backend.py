@@ -3,23 +3,7 @@
     OrtBackend(export_dir)                  # the CPU provider
     OrtBackend(export_dir, device="cuda")   # the CUDA provider (`dlmrt[onnx-gpu]`), over CUDA graphs
 
-One session per graph of the export. A mask model's export has the step graphs (`full`, `cached`,
-and the guided ones); a uniform-noise model's (DiffusionGemma) has `encode` (the cache commit; the
-prompt runs it over an empty prefix), `decode` (the denoising step) and `soft_tokens` (the next
-step's self-conditioning, over the embedding matrix exported beside it). As a graph runner it binds
-a graph to static buffers once (`bind`: an IO binding per bucket and step kind, with the state's
-buffers, or the window buffers `device_step.gather` refills, as inputs), so a step binds and copies
-nothing; the executor runs the steps. The whole-canvas refresh writes its K/V straight into the cache
-storage. The encoder runs once per block on numpy arrays over the same memory.
-
-On CUDA the buffers live on the GPU and are bound there; ONNX Runtime runs on the backend's own
-CUDA stream (its `user_compute_stream`), ordered after and before the torch stream the loop runs
-on by stream waits, so no run synchronizes with the host. With `enable_cuda_graph` each binding (a
-bucket and step kind, whose shapes and addresses never change) carries its own graph annotation,
-as onnxruntime-genai gives each batch size one: ONNX Runtime captures a graph per annotation on its
-first runs and replays it after. Uniform-noise exports run on the CPU, whose sessions do not spin
-between runs: the step samples in torch between the decode and soft_tokens runs, and spinning
-threads would take the cores it needs.
+Design notes: docs/runtime-modules.md#ort_backend.
 """
 
 from __future__ import annotations

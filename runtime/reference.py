@@ -1,25 +1,6 @@
 """The reference generate loop: LLaDA's algorithm in plain eager torch.
 
-Deliberately simple (a full forward every step, Python loops over rows). It is
-the oracle every faster backend and policy is checked against, so it follows
-ML-GSAI/LLaDA's `generate` step by step:
-
-- the canvas is the (left-padded) prompt followed by `gen_length` mask tokens,
-  decoded in `gen_length / block_length` semi-autoregressive blocks of
-  `steps / num_blocks` steps each;
-- at each step of a block, each row commits `masked // steps` of the block's
-  masked positions, plus one during the first `masked % steps` steps;
-- x0 is the argmax of the logits (never the mask token), with Gumbel noise `exp(l) / (-log u)^T` in
-  float64 when the temperature T > 0; confidence is softmax(logits)[x0]
-  (`low_confidence`) or uniform noise (`random`); positions after the current
-  block get -inf; the most confident masked positions are committed;
-- classifier-free guidance runs the prompt-masked canvas beside the real one
-  and mixes `uncond + (cfg + 1) * (cond - uncond)`.
-
-Batches are left-padded with a key mask; positions count each row's real
-tokens from 0, so a row decodes exactly as it would alone. ORL models carry
-their residual from each step to the next. Block-causal models attend on the
-absolute grid of `block_length`.
+Design notes: docs/runtime-modules.md#reference.
 """
 
 from __future__ import annotations

@@ -7,15 +7,7 @@ rows sit in the bucket and what ends a block.
     while batch.active:
         updates = batch.run_block()               # BlockUpdates; finished rows land in batch.finished
 
-Each block: waiting rows join while the batch and the largest bucket hold them (the batch moves to
-the bucket that holds every row), the backend runs the block's step program K steps at a time with
-one host read between (`_steps_per_sync`), and at its end the host reads the block's tokens once,
-streams each row's new tokens, and retires the rows that finished. Rows decode exactly as they
-would alone: every step is row-independent, and each row keeps its own positions and random
-streams (`docs/continuous-batching.md`).
-
-Rows batch together when their settings agree on everything but what each row carries in its own
-buffers (`batch_key`): gen-length, seed, ignore_eos, temperature, and the policy's `row_fields`.
+Design notes: docs/runtime-modules.md#running_batch.
 """
 
 from __future__ import annotations

@@ -5,16 +5,7 @@
     ticket.cancel()                                         # the row leaves at its next block boundary
     scheduler.stop()                                        # after the requests admitted have finished
 
-One worker thread owns the backend. It runs the `RunningBatch` (`dlmrt.runtime.running_batch`) one
-block at a time; at each block boundary the rows that finished leave, and waiting requests join in
-arrival order. Rows share a batch when their settings agree on everything but what each row carries
-itself (`running_batch.batch_key`: gen-length, seed, ignore_eos, temperature, the policy's per-row
-fields); a request with other settings waits for the running batch to finish (first come, first
-served: nothing is admitted past it meanwhile), then starts the next batch.
-
-A request receives its `BlockUpdate`s, then exactly one `Finished` or `Failed`. A request that cannot
-join (a bad row) fails alone; an exception inside a block fails the rows of that batch, and the
-worker goes on with the next request.
+Design notes: docs/runtime-modules.md#scheduler.
 """
 
 from __future__ import annotations

@@ -3,19 +3,7 @@
     TorchBackend(model)                   # mode "auto": cudagraph on CUDA, compile on a CPU
     TorchBackend(model, mode="eager")     # op by op
 
-The graph runner binds a step program to the module the exporter traces
-(`dlmrt.export.step_graph.StepGraph`, one per bucket grid and step kind) or, for a uniform-noise
-model, to its decoder and soft tokens; the executor (`dlmrt.runtime.executor`) runs K of those steps
-in the backend's mode:
-
-- `eager`: op by op, as written.
-- `compile`: `torch.compile(fullgraph=True, dynamic=False)` of the step. On a CPU the linear layers
-  run on oneDNN with prepacked weights (`dlmrt.runtime.onednn`). Inductor's compiled artifacts are kept
-  under `$DLMRT_HOME/inductor` (unless TORCHINDUCTOR_CACHE_DIR is set).
-- `cudagraph` (CUDA only): K steps captured once per bucket, step kind and K into a CUDA graph.
-
-A bucket that fails to compile or capture falls back to `eager` when the mode was the default one
-(`auto`), with one warning; a mode asked for by name fails with the error.
+Design notes: docs/runtime-modules.md#torch_backend.
 """
 
 from __future__ import annotations

@@ -3,25 +3,7 @@
     TrtBackend(export_dir)                                   # this GPU's engine, its default precision
     TrtBackend(export_dir, engines=STORE, precision="fp8")
 
-Everything about the model comes from the export's `dlmrt.json` and the engine's `manifest.json`: no
-torch model is loaded. `dlmrt.engines.select` picks the engine for the running GPU and TensorRT and
-refuses one that does not fit, naming the `dlmrt build` command that makes one that does.
-
-This module is the thin layer that calls TensorRT, in the order Polygraphy's loaders and runners use:
-register the dlmrt plugins, deserialize each graph's engine, create one execution context per engine
-(each has one optimization profile). As a graph runner it binds a graph to static buffers once per
-bucket and step kind (`bind`): the input shapes and the address of every input and output, on the
-bucket's buffers; a step makes its binding current on the context (a no-op while the same kind runs
-on) and enqueues with `execute_async_v3` on the torch stream. On CUDA the executor captures K steps
-into one CUDA graph (`dlmrt.runtime.cuda_graphs`), as TensorRT-LLM captures its `enqueueV3`; the
-addresses never move, so a graph is captured once and never updated.
-
-A uniform-noise export (DiffusionGemma) has three engines instead: the decoder and soft-token engines
-are bound like the step graphs, and the encoder runs once per block on buffers made for that block,
-since its prefix grows from block to block.
-
-The binding contract is tested on the CPU against a recording fake of these TensorRT calls that runs
-the exported graphs with ONNX Runtime at the bound addresses (tests/fake_tensorrt.py).
+Design notes: docs/runtime-modules.md#trt_backend.
 """
 
 from __future__ import annotations

@@ -1,25 +1,7 @@
 """The running batch of a uniform-noise model (DiffusionGemma): rows denoise a canvas of W random
 tokens per block, over a cache the encoder writes.
 
-A row's prompt is left-padded into the bucket's prompt region and the encoder writes its K/V when
-the row joins. Its block b, once finished, is committed to the cache slot `bucket.slot(b)` (the
-"cache commit"). Each block:
-
-1. every row's canvas starts as uniform random tokens at its own positions (`CanvasState.start_blocks`);
-2. the backend runs K steps of `dlmrt.runtime.canvas_step` back to back on the device (the decoder
-   over [cache; canvas], self-conditioned on the last step's soft tokens, then
-   `entropy_bound_step`), and the host reads one flag, whether every row is done, before it decides
-   on the next K (`steps_per_sync`). A row whose argmax is stable and whose mean entropy is small
-   stops: from then on its canvas and argmax stay as they were, so the steps that still run for
-   other rows change nothing of it;
-3. the block's tokens are each row's last argmax, cut after the first EOS (pad after it) unless the
-   row ignores EOS, read once by the host; the encoder commits them for the rows that go on, one
-   call per block index among them.
-
-Rows join at any block boundary and sit at different blocks: a row's storage holds its prompt and
-its own committed blocks, and every random number is a counter-based function of (row seed, step,
-position), so a row decodes as it does alone, on every backend. When the rows need a longer prompt
-region, more blocks or another batch size, the batch moves to that bucket (`CanvasState.take_rows`).
+Design notes: docs/runtime-modules.md#uniform_noise.
 """
 
 from __future__ import annotations
