@@ -126,7 +126,7 @@ def test_missing_model_directory():
 
 def test_stream_prints_what_generate_prints(model_dir):
     args = ("--model", model_dir, "--prompt", "rev:abc=", "--policy", "threshold", "--threshold", "0.3")
-    streamed, plain = run("generate", *args, "--stream"), run("generate", *args)
+    streamed, plain = run("generate", *args, "--stream", "--mode", "eager"), run("generate", *args, "--mode", "eager")
     assert streamed.exit_code == 0 and plain.exit_code == 0, streamed.output + plain.output
     assert streamed.output == plain.output
 
@@ -134,10 +134,10 @@ def test_stream_prints_what_generate_prints(model_dir):
 def test_backends_agree_and_caches_count_their_refreshes(model_dir):
     args = ("--model", model_dir, "--prompt-ids", "5,6,7", "--gen-length", 8, "--block-length", 4, "--steps", 8,
             "--ignore-eos", "--json")
-    torch_out = json.loads(run("generate", *args, "--cache", "dual").output)
+    torch_out = json.loads(run("generate", *args, "--cache", "dual", "--mode", "eager").output)
     reference_out = json.loads(run("generate", *args, "--backend", "reference").output)
     assert torch_out["metrics"]["nfe"] == reference_out["metrics"]["nfe"] == 8  # refreshes are forwards
-    none_out = json.loads(run("generate", *args).output)
+    none_out = json.loads(run("generate", *args, "--mode", "eager").output)
     assert none_out["outputs"] == reference_out["outputs"]
 
 

@@ -42,7 +42,7 @@ def random_model_dir(tmp_path_factory):
 def cli_run(tmp_path_factory):
     """`dlmrt eval` on the tiny model: 5 examples per task, two settings, JSON and plot."""
     out = tmp_path_factory.mktemp("eval-out")
-    args = ["eval", "--per-task", 5, "--json", out / "results.json", "--plot", out / "curve.png"]
+    args = ["eval", "--per-task", 5, "--mode", "eager", "--json", out / "results.json", "--plot", out / "curve.png"]
     for spec in CLI_SETTINGS:
         args += ["--setting", spec]
     result = run(*args)
