@@ -88,13 +88,11 @@ def parse_config(raw: dict, source: str) -> LLaDA2MoeConfig:
         "max_position_embeddings": limits.MAX_POSITIONS, "num_experts": limits.MAX_EXPERTS,
         "num_experts_per_tok": limits.MAX_EXPERTS, "moe_intermediate_size": limits.MAX_WIDTH,
         "n_group": limits.MAX_EXPERTS, "topk_group": limits.MAX_EXPERTS})
-    require(0 < c.rms_norm_eps < 1, source, f"rms_norm_eps must lie in (0, 1), got {c.rms_norm_eps}")
-    require(c.rope_theta > 0, source, f"rope_theta must be positive, got {c.rope_theta}")
+    config_parsing.require_norm_and_rope(c, source)
     require(0 <= (c.num_shared_experts or 0) <= limits.MAX_EXPERTS, source,
             f"num_shared_experts must lie in [0, {limits.MAX_EXPERTS}]")
-    require(c.num_attention_heads % c.num_key_value_heads == 0, source,
-            f"num_attention_heads ({c.num_attention_heads}) must be divisible by "
-            f"num_key_value_heads ({c.num_key_value_heads})")
+    config_parsing.require_divisible(source, "num_attention_heads", c.num_attention_heads,
+                                     "num_key_value_heads", c.num_key_value_heads)
     require(0.0 < c.partial_rotary_factor <= 1.0 and c.rotary_dim % 2 == 0 and c.rotary_dim > 0, source,
             f"partial_rotary_factor ({c.partial_rotary_factor}) must give an even rotary size "
             f"in (0, head_dim]")
@@ -104,8 +102,7 @@ def parse_config(raw: dict, source: str) -> LLaDA2MoeConfig:
         require(0 < c.num_experts_per_tok <= c.num_experts, source,
                 f"num_experts_per_tok must lie in [1, num_experts={c.num_experts}]")
         groups = c.n_group or 1
-        require(c.num_experts % groups == 0, source,
-                f"num_experts ({c.num_experts}) must be divisible by n_group ({groups})")
+        config_parsing.require_divisible(source, "num_experts", c.num_experts, "n_group", groups)
         if groups > 1:
             chosen = c.topk_group or groups
             require(c.num_experts // groups >= 2, source, "group-limited routing needs >= 2 experts per group")
