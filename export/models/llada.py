@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from dlmrt.core import limits
 from dlmrt.export.models import config as config_parsing
 from dlmrt.export.models.denoiser import Denoiser, SpecialTokens
-from dlmrt.export.models.layers import RMSNorm, apply_rotary, attend, with_past
+from dlmrt.export.models.layers import RMSNorm, apply_rotary, attend, output_logits, with_past
 from dlmrt.export.models.residual import ResidualConfig, build_adapter
 
 
@@ -156,7 +156,4 @@ class LLaDA(Denoiser):
 
     def head(self, hidden: Tensor) -> Tensor:
         t = self.model.transformer
-        hidden = t["ln_f"](hidden)
-        if self.config.weight_tying:
-            return F.linear(hidden, t["wte"].weight)
-        return t["ff_out"](hidden)
+        return output_logits(hidden, t["ln_f"], t["wte"], None if self.config.weight_tying else t["ff_out"])

@@ -24,7 +24,8 @@ from torch import Tensor, nn
 from dlmrt.core import limits
 from dlmrt.export.models import config as config_parsing
 from dlmrt.export.models.denoiser import Denoiser, SpecialTokens
-from dlmrt.export.models.layers import RMSNorm, SwiGLU, apply_rotary, attend, in_fixed_shape_graph, with_past
+from dlmrt.export.models.layers import (PreNormLayer, RMSNorm, SwiGLU, apply_rotary, attend, in_fixed_shape_graph,
+                                        output_logits, with_past)
 from dlmrt.export.models.residual import ResidualConfig, build_adapter
 
 
@@ -212,19 +213,10 @@ class MoE(nn.Module):
         return y
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, c: LLaDA2MoeConfig, index: int):
-        super().__init__()
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.attention = Attention(c)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mlp = MoE(c) if c.is_moe_layer(index) else SwiGLU(c.hidden_size, c.intermediate_size)
-
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor,
-                past: tuple[Tensor, Tensor] | None) -> tuple[Tensor, tuple[Tensor, Tensor]]:
-        attended, kv = self.attention(self.input_layernorm(x), cos, sin, mask, past)
-        x = x + attended
-        return x + self.mlp(self.post_attention_layernorm(x)), kv
+def decoder_layer(c: LLaDA2MoeConfig, index: int) -> PreNormLayer:
+    attention = Attention(c)
+    mlp = MoE(c) if c.is_moe_layer(index) else SwiGLU(c.hidden_size, c.intermediate_size)
+    return PreNormLayer(c.hidden_size, c.rms_norm_eps, "attention", attention, mlp)
 
 
 class LLaDA2Moe(Denoiser):
@@ -242,7 +234,7 @@ class LLaDA2Moe(Denoiser):
         self.max_positions = c.max_position_embeddings
         self.model = nn.Module()
         self.model.word_embeddings = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.model.layers = nn.ModuleList(DecoderLayer(c, i) for i in range(c.num_hidden_layers))
+        self.model.layers = nn.ModuleList(decoder_layer(c, i) for i in range(c.num_hidden_layers))
         self.model.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         if residual_config is not None:
             self.model.residual_adapter = build_adapter(residual_config, c.hidden_size)
@@ -259,7 +251,5 @@ class LLaDA2Moe(Denoiser):
         return self.model.layers
 
     def head(self, hidden: Tensor) -> Tensor:
-        hidden = self.model.norm(hidden)
-        if self.config.tie_word_embeddings:
-            return F.linear(hidden, self.model.word_embeddings.weight)
-        return self.lm_head(hidden)
+        lm_head = None if self.config.tie_word_embeddings else self.lm_head
+        return output_logits(hidden, self.model.norm, self.model.word_embeddings, lm_head)
