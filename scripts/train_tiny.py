@@ -21,15 +21,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
-import time
+import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 
 from dlmrt.core import atomic, tasks
@@ -37,6 +36,9 @@ from dlmrt.eval.evaluation import exact_match
 from dlmrt.export import checkpoint, models
 from dlmrt.export.models import SpecialTokens
 from dlmrt.runtime import Fixed, GenerationSettings
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tiny_training import parse_task_names, train_steps  # noqa: E402
 
 GEN_LENGTH = 16
 BLOCK_LENGTH = 8
@@ -99,41 +101,15 @@ def train(args) -> dict:
                               tokens=tokens, seed=args.seed).train()
     model.requires_grad_(True)
     parameters = sum(p.numel() for p in model.parameters())
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98),
-                                  weight_decay=args.weight_decay)
-    warmup = max(1, args.steps // 30)
 
-    def lr_at(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = (step - warmup) / max(1, args.steps - warmup)
-        return 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress))
+    def masked_loss() -> torch.Tensor:
+        inputs, key_mask, targets, masked, width = make_batch(rng, tokenizer, args.batch_size, generator, args.tasks)
+        logits = model.denoise(inputs, key_mask=key_mask).logits[:, width:]
+        loss_per_token = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                         reduction="none").view_as(targets)
+        return (loss_per_token * masked).sum() / masked.sum()
 
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_at)
-    started = time.perf_counter()
-    columns = (TextColumn("training"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]:.4f}"),
-               TimeRemainingColumn())
-    with Progress(*columns) as progress:
-        bar = progress.add_task("train", total=args.steps, loss=float("nan"))
-        smoothed = None
-        for step in range(args.steps):
-            inputs, key_mask, targets, masked, width = make_batch(rng, tokenizer, args.batch_size, generator,
-                                                                  args.tasks)
-            logits = model.denoise(inputs, key_mask=key_mask).logits[:, width:]
-            loss_per_token = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                                             reduction="none").view_as(targets)
-            loss = (loss_per_token * masked).sum() / masked.sum()
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            scheduler.step()
-            smoothed = loss.item() if smoothed is None else 0.98 * smoothed + 0.02 * loss.item()
-            progress.update(bar, advance=1, loss=smoothed)
-            if not progress.console.is_terminal and (step + 1) % 250 == 0:
-                progress.console.print(f"step {step + 1}/{args.steps}  loss {smoothed:.4f}  "
-                                       f"{time.perf_counter() - started:.0f} s")
-    train_seconds = time.perf_counter() - started
+    _, train_seconds = train_steps(model, masked_loss, args.steps, args.lr, args.weight_decay)
     model.eval().requires_grad_(False)
     model.tokenizer = tokenizer
     model.generation_config = {"gen_length": GEN_LENGTH, "block_length": BLOCK_LENGTH, "steps": GEN_LENGTH}
@@ -165,10 +141,7 @@ def main() -> None:
     parser.add_argument("--tasks", default=",".join(tasks.TASKS), help="comma-separated task names to train on")
     parser.add_argument("--init", type=Path, help="continue from this checkpoint instead of a random model")
     args = parser.parse_args()
-    args.tasks = tuple(name.strip() for name in args.tasks.split(",") if name.strip())
-    unknown = [name for name in args.tasks if name not in tasks.TASKS]
-    if unknown or not args.tasks:
-        parser.error(f"unknown task {', '.join(unknown) or '(none)'}: tasks are {', '.join(tasks.TASKS)}")
+    args.tasks = parse_task_names(parser, args.tasks)
     torch.set_num_threads(args.threads)
 
     result = train(args)

@@ -41,20 +41,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
-import time
+import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from dlmrt.core import tasks
 from dlmrt.export import checkpoint, models
 from dlmrt.runtime import text
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tiny_training import parse_task_names, train_steps  # noqa: E402
 
 GEN_LENGTH = 16
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -136,42 +137,18 @@ def train(args) -> dict:
     model = models.create(model_config(args), seed=args.seed).train()
     model.requires_grad_(True)
     parameters = sum(p.numel() for p in model.parameters())
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=args.weight_decay)
-    warmup = max(1, args.steps // 30)
 
-    def lr_at(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = (step - warmup) / max(1, args.steps - warmup)
-        return 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress))
+    def denoising_loss() -> torch.Tensor:
+        rows = [tasks.sample(rng.choice(args.tasks), "train", rng) for _ in range(args.batch_size)]
+        prompt = encode_examples(tokenizer, rows)
+        targets = prompt[-1]
+        t = torch.rand(args.batch_size, 1, generator=generator)
+        canvas = add_noise(targets, t, model.vocab_size, generator)
+        self_condition = torch.rand((), generator=generator).item() < args.self_conditioning
+        logits = decoder_logits(model, prompt, canvas, self_condition)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_at)
-    started = time.perf_counter()
-    columns = (TextColumn("training"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]:.4f}"),
-               TimeRemainingColumn())
-    smoothed = float("nan")
-    with Progress(*columns) as progress:
-        bar = progress.add_task("train", total=args.steps, loss=smoothed)
-        for step in range(args.steps):
-            rows = [tasks.sample(rng.choice(args.tasks), "train", rng) for _ in range(args.batch_size)]
-            prompt = encode_examples(tokenizer, rows)
-            targets = prompt[-1]
-            t = torch.rand(args.batch_size, 1, generator=generator)
-            canvas = add_noise(targets, t, model.vocab_size, generator)
-            self_condition = torch.rand((), generator=generator).item() < args.self_conditioning
-            logits = decoder_logits(model, prompt, canvas, self_condition)
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            scheduler.step()
-            smoothed = loss.item() if step == 0 else 0.98 * smoothed + 0.02 * loss.item()
-            progress.update(bar, advance=1, loss=smoothed)
-            if not progress.console.is_terminal and (step + 1) % 250 == 0:
-                progress.console.print(f"step {step + 1}/{args.steps}  loss {smoothed:.4f}  "
-                                       f"{time.perf_counter() - started:.0f} s")
-    train_seconds = time.perf_counter() - started
+    smoothed, train_seconds = train_steps(model, denoising_loss, args.steps, args.lr, args.weight_decay)
     model.eval().requires_grad_(False)
     model.tokenizer = tokenizer
     # The task suite's answers fit one canvas of 16, which is also what generate should ask by default.
@@ -237,10 +214,7 @@ def main() -> None:
                         help="1 by default: two threads on 2 shared cores slowed steps 10-50x here")
     parser.add_argument("--tasks", default=",".join(tasks.TASKS), help="comma-separated task names to train on")
     args = parser.parse_args()
-    args.tasks = tuple(name.strip() for name in args.tasks.split(",") if name.strip())
-    unknown = [name for name in args.tasks if name not in tasks.TASKS]
-    if unknown or not args.tasks:
-        parser.error(f"unknown task {', '.join(unknown) or '(none)'}: tasks are {', '.join(tasks.TASKS)}")
+    args.tasks = parse_task_names(parser, args.tasks)
     torch.set_num_threads(args.threads)
 
     result = train(args)

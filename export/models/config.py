@@ -111,3 +111,14 @@ def require(condition: bool, source: Path | str, message: str) -> None:
     """Raise a CheckpointError about `source` unless `condition` holds (for cross-field checks)."""
     if not condition:
         raise CheckpointError(f"{source}: {message}")
+
+
+def require_norm_and_rope(config: Any, source: Path | str) -> None:
+    """The RMSNorm epsilon lies in (0, 1) and the rotary base is positive (`rms_norm_eps`, `rope_theta`)."""
+    require(0 < config.rms_norm_eps < 1, source, f"rms_norm_eps must lie in (0, 1), got {config.rms_norm_eps}")
+    require(config.rope_theta > 0, source, f"rope_theta must be positive, got {config.rope_theta}")
+
+
+def require_divisible(source: Path | str, name: str, value: int, divisor_name: str, divisor: int) -> None:
+    """`value` (the field `name`) is a multiple of `divisor` (the field `divisor_name`)."""
+    require(value % divisor == 0, source, f"{name} ({value}) must be divisible by {divisor_name} ({divisor})")

@@ -52,6 +52,22 @@ class DenoiserOutput(NamedTuple):
     residual: Residual | None  # the next residual, for ORL models
 
 
+def window_positions(input_ids: Tensor, positions: Tensor | None, key_mask: Tensor | None,
+                     past_positions: Tensor | None, prefix: int, caller: str) -> tuple[Tensor, Tensor, Tensor]:
+    """The window's positions and key mask, defaulted, and the keys' positions: a window `[B, T]` after a
+    cached prefix of `prefix` keys at `past_positions` (None without a cache). By default every key is
+    unpadded and each row counts its unpadded tokens from 0; with a cache, positions are required."""
+    batch, length = input_ids.shape
+    if key_mask is None:
+        key_mask = torch.ones(batch, prefix + length, dtype=torch.bool, device=input_ids.device)
+    if positions is None:
+        if past_positions is not None:
+            raise ArgumentError(f"{caller}: positions are required when a cached prefix is given")
+        positions = (key_mask.long().cumsum(-1) - 1).clamp(min=0)
+    key_positions = positions if past_positions is None else torch.cat((past_positions, positions), dim=1)
+    return positions, key_mask, key_positions
+
+
 class Denoiser(nn.Module, ABC):
     """Base class: subclasses build their modules under the checkpoint's tensor names."""
 
@@ -149,15 +165,10 @@ class Denoiser(nn.Module, ABC):
             of an ORL model still covers the whole window).
         logits_index: the same as window indices `[n]` (int64), for graphs whose block moves.
         """
-        batch, length = input_ids.shape
-        prefix = 0 if past is None else past.kv.shape[4]
-        if key_mask is None:
-            key_mask = torch.ones(batch, prefix + length, dtype=torch.bool, device=input_ids.device)
-        if positions is None:
-            if past is not None:
-                raise ArgumentError("denoise: positions are required when a cached prefix is given")
-            positions = (key_mask.long().cumsum(-1) - 1).clamp(min=0)
-        key_positions = positions if past is None else torch.cat((past.positions, positions), dim=1)
+        length = input_ids.shape[1]
+        positions, key_mask, key_positions = window_positions(
+            input_ids, positions, key_mask, None if past is None else past.positions,
+            0 if past is None else past.kv.shape[4], "denoise")
         grid = (block_length or self.default_block_length) if self.block_causal else None
         mask = attention_mask(positions, key_positions, key_mask, grid)
         cos, sin = rotary_tables(positions, self.rotary_dim, self.rope_theta)

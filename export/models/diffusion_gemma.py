@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dlmrt.core.errors import ArgumentError, UnsupportedFeatureError
-from dlmrt.export.models.denoiser import Denoiser, DenoiserOutput, LayerGroupKV, SpecialTokens
+from dlmrt.export.models.denoiser import Denoiser, DenoiserOutput, LayerGroupKV, SpecialTokens, window_positions
 from dlmrt.export.models.layers import SwiGLU, in_fixed_shape_graph
 from dlmrt.export.models.residual import Residual, ResidualConfig
 
@@ -309,15 +309,10 @@ class DiffusionGemma(Denoiser):
 
     def _defaults(self, input_ids: Tensor, positions: Tensor | None, key_mask: Tensor | None,
                   past: LayerGroupKV | None) -> tuple[Tensor, Tensor, Tensor]:
-        batch, length = input_ids.shape
+        past_positions = None if past is None else past.positions
         prefix = 0 if past is None else past.positions.shape[1]
-        if key_mask is None:
-            key_mask = torch.ones(batch, prefix + length, dtype=torch.bool, device=input_ids.device)
-        if positions is None:
-            if past is not None:
-                raise ArgumentError("diffusion_gemma: positions are required when a cached prefix is given")
-            positions = (key_mask.long().cumsum(-1) - 1).clamp(min=0)
-        key_positions = positions if past is None else torch.cat((past.positions, positions), dim=1)
+        positions, key_mask, key_positions = window_positions(input_ids, positions, key_mask, past_positions, prefix,
+                                                              "diffusion_gemma")
         return positions, key_mask.bool(), key_positions
 
     def cache_groups(self) -> tuple[tuple[int, int, int], tuple[int, int, int]]:

@@ -73,21 +73,17 @@ SUPPORTED_FEATURES = {
 
 def parse_config(raw: dict, source: str) -> DreamConfig:
     c = config_parsing.parse(DreamConfig, raw, source, SUPPORTED_FEATURES)
-    require = config_parsing.require
     config_parsing.require_sizes(c, source, {
         "hidden_size": limits.MAX_WIDTH, "intermediate_size": limits.MAX_WIDTH,
         "num_hidden_layers": limits.MAX_LAYERS, "num_attention_heads": limits.MAX_HEADS,
         "kv_heads": limits.MAX_HEADS, "vocab_size": limits.MAX_VOCAB,
         "max_position_embeddings": limits.MAX_POSITIONS})
-    require(0 < c.rms_norm_eps < 1, source, f"rms_norm_eps must lie in (0, 1), got {c.rms_norm_eps}")
-    require(c.rope_theta > 0, source, f"rope_theta must be positive, got {c.rope_theta}")
-    require(c.hidden_size % c.num_attention_heads == 0, source,
-            f"hidden_size ({c.hidden_size}) must be divisible by num_attention_heads ({c.num_attention_heads})")
-    require(c.num_attention_heads % c.kv_heads == 0, source,
-            f"num_attention_heads ({c.num_attention_heads}) must be divisible by "
-            f"num_key_value_heads ({c.kv_heads})")
-    require(c.dim_per_head % 2 == 0, source,
-            "the head size hidden_size / num_attention_heads must be even for rotary embeddings")
+    config_parsing.require_norm_and_rope(c, source)
+    config_parsing.require_divisible(source, "hidden_size", c.hidden_size, "num_attention_heads", c.num_attention_heads)
+    config_parsing.require_divisible(source, "num_attention_heads", c.num_attention_heads,
+                                     "num_key_value_heads", c.kv_heads)
+    config_parsing.require(c.dim_per_head % 2 == 0, source,
+                           "the head size hidden_size / num_attention_heads must be even for rotary embeddings")
     if c.head_dim is not None and c.head_dim != c.dim_per_head:
         raise UnsupportedFeatureError(
             f"{source}: head_dim={c.head_dim} is not supported by dlmrt: Dream's heads are hidden_size / "

@@ -32,6 +32,34 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
+class PreNormLayer(nn.Module):
+    """`x + attention(input_layernorm(x))`, then `x + mlp(post_attention_layernorm(x))`: the Llama-style
+    layer of the Qwen and LLaDA2 stacks. The attention sits under the name the family's checkpoints give it."""
+
+    def __init__(self, hidden: int, eps: float, attention_name: str, attention: nn.Module, mlp: nn.Module):
+        super().__init__()
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.attention_name = attention_name
+        self.add_module(attention_name, attention)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+        self.mlp = mlp
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor,
+                past: tuple[Tensor, Tensor] | None) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        attention = getattr(self, self.attention_name)
+        attended, kv = attention(self.input_layernorm(x), cos, sin, mask, past)
+        x = x + attended
+        return x + self.mlp(self.post_attention_layernorm(x)), kv
+
+
+def output_logits(hidden: Tensor, norm: nn.Module, embedding: nn.Embedding, lm_head: nn.Module | None) -> Tensor:
+    """The final norm, then `lm_head`, or the input embedding's weight when the two are tied (`lm_head` None)."""
+    hidden = norm(hidden)
+    if lm_head is None:
+        return F.linear(hidden, embedding.weight)
+    return lm_head(hidden)
+
+
 class SwiGLU(nn.Module):
     """`down_proj(silu(gate_proj(x)) * up_proj(x))`."""
 

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from dlmrt.core import limits
 from dlmrt.export.models import config as config_parsing
 from dlmrt.export.models.denoiser import Denoiser, SpecialTokens
-from dlmrt.export.models.layers import RMSNorm, apply_rotary, attend, with_past
+from dlmrt.export.models.layers import RMSNorm, apply_rotary, attend, output_logits, with_past
 from dlmrt.export.models.residual import ResidualConfig, build_adapter
 
 
@@ -73,12 +73,9 @@ def parse_config(raw: dict, source: str) -> LLaDAConfig:
         "d_model": limits.MAX_WIDTH, "n_heads": limits.MAX_HEADS, "n_layers": limits.MAX_LAYERS,
         "vocab_size": limits.MAX_VOCAB, "embedding_size": limits.MAX_VOCAB, "mlp_ratio": limits.MAX_WIDTH,
         "mlp_width": limits.MAX_WIDTH, "kv_heads": limits.MAX_HEADS, "max_sequence_length": limits.MAX_POSITIONS})
-    config_parsing.require(0 < c.rms_norm_eps < 1, source, f"rms_norm_eps must lie in (0, 1), got {c.rms_norm_eps}")
-    config_parsing.require(c.rope_theta > 0, source, f"rope_theta must be positive, got {c.rope_theta}")
-    config_parsing.require(c.d_model % c.n_heads == 0, source,
-                           f"d_model ({c.d_model}) must be divisible by n_heads ({c.n_heads})")
-    config_parsing.require(c.n_heads % c.kv_heads == 0, source,
-                           f"n_heads ({c.n_heads}) must be divisible by n_kv_heads ({c.kv_heads})")
+    config_parsing.require_norm_and_rope(c, source)
+    config_parsing.require_divisible(source, "d_model", c.d_model, "n_heads", c.n_heads)
+    config_parsing.require_divisible(source, "n_heads", c.n_heads, "n_kv_heads", c.kv_heads)
     config_parsing.require((c.d_model // c.n_heads) % 2 == 0, source,
                            "the head size d_model / n_heads must be even for rotary embeddings")
     config_parsing.require(c.embedding_size is None or c.embedding_size >= c.vocab_size, source,
@@ -159,7 +156,4 @@ class LLaDA(Denoiser):
 
     def head(self, hidden: Tensor) -> Tensor:
         t = self.model.transformer
-        hidden = t["ln_f"](hidden)
-        if self.config.weight_tying:
-            return F.linear(hidden, t["wte"].weight)
-        return t["ff_out"](hidden)
+        return output_logits(hidden, t["ln_f"], t["wte"], None if self.config.weight_tying else t["ff_out"])

@@ -24,7 +24,8 @@ from torch import Tensor, nn
 from dlmrt.core import limits
 from dlmrt.export.models import config as config_parsing
 from dlmrt.export.models.denoiser import Denoiser, SpecialTokens
-from dlmrt.export.models.layers import RMSNorm, SwiGLU, apply_rotary, attend, in_fixed_shape_graph, with_past
+from dlmrt.export.models.layers import (PreNormLayer, RMSNorm, SwiGLU, apply_rotary, attend, in_fixed_shape_graph,
+                                        output_logits, with_past)
 from dlmrt.export.models.residual import ResidualConfig, build_adapter
 
 
@@ -88,13 +89,11 @@ def parse_config(raw: dict, source: str) -> LLaDA2MoeConfig:
         "max_position_embeddings": limits.MAX_POSITIONS, "num_experts": limits.MAX_EXPERTS,
         "num_experts_per_tok": limits.MAX_EXPERTS, "moe_intermediate_size": limits.MAX_WIDTH,
         "n_group": limits.MAX_EXPERTS, "topk_group": limits.MAX_EXPERTS})
-    require(0 < c.rms_norm_eps < 1, source, f"rms_norm_eps must lie in (0, 1), got {c.rms_norm_eps}")
-    require(c.rope_theta > 0, source, f"rope_theta must be positive, got {c.rope_theta}")
+    config_parsing.require_norm_and_rope(c, source)
     require(0 <= (c.num_shared_experts or 0) <= limits.MAX_EXPERTS, source,
             f"num_shared_experts must lie in [0, {limits.MAX_EXPERTS}]")
-    require(c.num_attention_heads % c.num_key_value_heads == 0, source,
-            f"num_attention_heads ({c.num_attention_heads}) must be divisible by "
-            f"num_key_value_heads ({c.num_key_value_heads})")
+    config_parsing.require_divisible(source, "num_attention_heads", c.num_attention_heads,
+                                     "num_key_value_heads", c.num_key_value_heads)
     require(0.0 < c.partial_rotary_factor <= 1.0 and c.rotary_dim % 2 == 0 and c.rotary_dim > 0, source,
             f"partial_rotary_factor ({c.partial_rotary_factor}) must give an even rotary size "
             f"in (0, head_dim]")
@@ -104,8 +103,7 @@ def parse_config(raw: dict, source: str) -> LLaDA2MoeConfig:
         require(0 < c.num_experts_per_tok <= c.num_experts, source,
                 f"num_experts_per_tok must lie in [1, num_experts={c.num_experts}]")
         groups = c.n_group or 1
-        require(c.num_experts % groups == 0, source,
-                f"num_experts ({c.num_experts}) must be divisible by n_group ({groups})")
+        config_parsing.require_divisible(source, "num_experts", c.num_experts, "n_group", groups)
         if groups > 1:
             chosen = c.topk_group or groups
             require(c.num_experts // groups >= 2, source, "group-limited routing needs >= 2 experts per group")
@@ -215,19 +213,10 @@ class MoE(nn.Module):
         return y
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, c: LLaDA2MoeConfig, index: int):
-        super().__init__()
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.attention = Attention(c)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mlp = MoE(c) if c.is_moe_layer(index) else SwiGLU(c.hidden_size, c.intermediate_size)
-
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor,
-                past: tuple[Tensor, Tensor] | None) -> tuple[Tensor, tuple[Tensor, Tensor]]:
-        attended, kv = self.attention(self.input_layernorm(x), cos, sin, mask, past)
-        x = x + attended
-        return x + self.mlp(self.post_attention_layernorm(x)), kv
+def decoder_layer(c: LLaDA2MoeConfig, index: int) -> PreNormLayer:
+    attention = Attention(c)
+    mlp = MoE(c) if c.is_moe_layer(index) else SwiGLU(c.hidden_size, c.intermediate_size)
+    return PreNormLayer(c.hidden_size, c.rms_norm_eps, "attention", attention, mlp)
 
 
 class LLaDA2Moe(Denoiser):
@@ -245,7 +234,7 @@ class LLaDA2Moe(Denoiser):
         self.max_positions = c.max_position_embeddings
         self.model = nn.Module()
         self.model.word_embeddings = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.model.layers = nn.ModuleList(DecoderLayer(c, i) for i in range(c.num_hidden_layers))
+        self.model.layers = nn.ModuleList(decoder_layer(c, i) for i in range(c.num_hidden_layers))
         self.model.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         if residual_config is not None:
             self.model.residual_adapter = build_adapter(residual_config, c.hidden_size)
@@ -262,7 +251,5 @@ class LLaDA2Moe(Denoiser):
         return self.model.layers
 
     def head(self, hidden: Tensor) -> Tensor:
-        hidden = self.model.norm(hidden)
-        if self.config.tie_word_embeddings:
-            return F.linear(hidden, self.model.word_embeddings.weight)
-        return self.lm_head(hidden)
+        lm_head = None if self.config.tie_word_embeddings else self.lm_head
+        return output_logits(hidden, self.model.norm, self.model.word_embeddings, lm_head)

@@ -12,12 +12,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dlmrt.core.errors import UnsupportedFeatureError
 from dlmrt.export.models.denoiser import Denoiser, SpecialTokens
-from dlmrt.export.models.layers import RMSNorm, SwiGLU, apply_rotary, attend, with_past
+from dlmrt.export.models.layers import PreNormLayer, RMSNorm, SwiGLU, apply_rotary, attend, output_logits, with_past
 from dlmrt.export.models.residual import ResidualConfig
 
 
@@ -69,21 +68,6 @@ class Attention(nn.Module):
         return self.o_proj(attend(q, keys, values, mask)), (k, v)
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, c: QwenConfig, attention: Attention):
-        super().__init__()
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = attention
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mlp = SwiGLU(c.hidden_size, c.intermediate_size)
-
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor,
-                past: tuple[Tensor, Tensor] | None) -> tuple[Tensor, tuple[Tensor, Tensor]]:
-        attended, kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, past)
-        x = x + attended
-        return x + self.mlp(self.post_attention_layernorm(x)), kv
-
-
 class QwenDenoiser(Denoiser):
     """A Qwen stack as a denoiser; a family gives its attention's options."""
 
@@ -101,13 +85,15 @@ class QwenDenoiser(Denoiser):
         self.max_positions = c.max_position_embeddings
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.model.layers = nn.ModuleList(
-            DecoderLayer(c, Attention(c, qkv_bias=self.qkv_bias, output_bias=self.output_bias,
-                                      head_norms=self.head_norms))
-            for _ in range(c.num_hidden_layers))
+        self.model.layers = nn.ModuleList(self._layer(c) for _ in range(c.num_hidden_layers))
         self.model.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         if not c.tie_word_embeddings:
             self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+
+    def _layer(self, c: QwenConfig) -> PreNormLayer:
+        attention = Attention(c, qkv_bias=self.qkv_bias, output_bias=self.output_bias, head_norms=self.head_norms)
+        return PreNormLayer(c.hidden_size, c.rms_norm_eps, "self_attn", attention,
+                            SwiGLU(c.hidden_size, c.intermediate_size))
 
     def input_embedding(self) -> nn.Embedding:
         return self.model.embed_tokens
@@ -119,7 +105,5 @@ class QwenDenoiser(Denoiser):
         return self.model.layers
 
     def head(self, hidden: Tensor) -> Tensor:
-        hidden = self.model.norm(hidden)
-        if self.config.tie_word_embeddings:
-            return F.linear(hidden, self.model.embed_tokens.weight)
-        return self.lm_head(hidden)
+        lm_head = None if self.config.tie_word_embeddings else self.lm_head
+        return output_logits(hidden, self.model.norm, self.model.embed_tokens, lm_head)

@@ -26,7 +26,8 @@ from onnxscript import opset18 as op
 from onnxscript.values import Opset
 
 from dlmrt.plugins.parallel_unmask.onnx_function import (ParallelUnmaskMix32, ParallelUnmaskRowHash,
-                                                         ParallelUnmaskUniform, _NodeOpset, plugin_attributes)
+                                                         ParallelUnmaskUniform, _NodeOpset, model_of_node,
+                                                         plugin_attributes, plugin_node, register_once)
 
 DOMAIN = "dlmrt"
 OP_TYPE = "EntropyBoundStep"
@@ -94,13 +95,11 @@ def schema() -> onnx.defs.OpSchema:
 
 def register_schema() -> None:
     """Make the node known to onnx (checker, shape inference); safe to call more than once."""
-    if not onnx.defs.has(OP_TYPE, DOMAIN):
-        onnx.defs.register_schema(schema())
+    register_once(OP_TYPE, schema)
 
 
 def node(inputs: list[str], outputs: list[str], name: str = "entropy_bound_step") -> onnx.NodeProto:
-    return onnx.helper.make_node(OP_TYPE, inputs, outputs, name=name, domain=DOMAIN, plugin_namespace=DOMAIN,
-                                 plugin_version=TENSORRT_PLUGIN_VERSION)
+    return plugin_node(OP_TYPE, inputs, outputs, name, TENSORRT_PLUGIN_VERSION)
 
 
 def standalone_model(opset: int = 18) -> onnx.ModelProto:
@@ -115,9 +114,7 @@ def standalone_model(opset: int = 18) -> onnx.ModelProto:
     value = lambda name: make(name, elem.get(name, onnx.TensorProto.INT64), shape.get(name, ["B"]))  # noqa: E731
     graph = onnx.helper.make_graph([node(list(INPUTS), list(OUTPUTS))], "entropy_bound_step",
                                    [value(n) for n in INPUTS], [value(n) for n in OUTPUTS])
-    return onnx.helper.make_model(
-        graph, functions=function_protos(),
-        opset_imports=[onnx.helper.make_opsetid("", opset), onnx.helper.make_opsetid(DOMAIN, VERSION)])
+    return model_of_node(graph, function_protos(), opset)
 
 
 register_schema()

@@ -24,7 +24,7 @@ exported denoising step graph is the check for both.
 
 from typing import Tuple, Union
 
-from dlmrt.plugins.parallel_unmask.trt_plugin import _build_target, register_plugin
+from dlmrt.plugins.parallel_unmask.trt_plugin import _build_target, aot_launch, register_plugin
 
 
 def register() -> None:
@@ -50,10 +50,5 @@ def _define(trt, trtp, name: str) -> None:
                  step: Desc, finished: Desc, outputs: Tuple[Desc], tactic: int
                  ) -> Tuple[Union[str, bytes], Union[str, bytes], trtp.KernelLaunchParams, trtp.SymExprs]:
         kernel = aot.compile_kernel("entropy_bound_kernel", _build_target())
-        launch = trtp.KernelLaunchParams()
-        launch.grid_x = logits.shape_expr[0]  # one program per row
-        launch.block_x = kernel.threads
-        launch.shared_mem = kernel.shared_mem
-        # the kernel's scalars, between the input and output pointers: W, V
-        scalars = trtp.SymIntExprs.from_tuple([trtp.SymInt32(e) for e in (logits.shape_expr[1], logits.shape_expr[2])])
-        return kernel.name.encode(), kernel.ptx.encode(), launch, scalars
+        # one program per row; the kernel's scalars: W, V
+        return aot_launch(trtp, kernel, (logits.shape_expr[1], logits.shape_expr[2]), logits.shape_expr[0])

@@ -155,15 +155,33 @@ def plugin_attributes() -> list[onnx.defs.OpSchema.Attribute]:
             for name, what in (("plugin_namespace", "namespace"), ("plugin_version", "version"))]
 
 
-def register_schema() -> None:
-    """Make the node known to onnx (checker, shape inference); safe to call more than once."""
-    if not onnx.defs.has(OP_TYPE, DOMAIN):
+def register_once(op_type: str, schema) -> None:
+    """Make the dlmrt node `op_type` known to onnx (checker, shape inference) with `schema()`, unless it is."""
+    if not onnx.defs.has(op_type, DOMAIN):
         onnx.defs.register_schema(schema())
 
 
+def plugin_node(op_type: str, inputs: list[str], outputs: list[str], name: str, plugin_version: str,
+                **attributes) -> onnx.NodeProto:
+    """A dlmrt node with the attributes by which TensorRT's parser finds its plugin (`plugin_attributes`)."""
+    return onnx.helper.make_node(op_type, inputs, outputs, name=name, domain=DOMAIN, plugin_namespace=DOMAIN,
+                                 plugin_version=plugin_version, **attributes)
+
+
+def model_of_node(graph: onnx.GraphProto, functions: list[onnx.FunctionProto], opset: int) -> onnx.ModelProto:
+    """A model of `graph` (one dlmrt node) carrying the node's `functions`, so ONNX Runtime runs it."""
+    return onnx.helper.make_model(
+        graph, functions=functions,
+        opset_imports=[onnx.helper.make_opsetid("", opset), onnx.helper.make_opsetid(DOMAIN, VERSION)])
+
+
+def register_schema() -> None:
+    """Make the node known to onnx (checker, shape inference); safe to call more than once."""
+    register_once(OP_TYPE, schema)
+
+
 def node(inputs: list[str], outputs: list[str], mask_id: int, name: str = "parallel_unmask") -> onnx.NodeProto:
-    return onnx.helper.make_node(OP_TYPE, inputs, outputs, name=name, domain=DOMAIN, mask_id=mask_id,
-                                 plugin_namespace=DOMAIN, plugin_version=TENSORRT_PLUGIN_VERSION)
+    return plugin_node(OP_TYPE, inputs, outputs, name, TENSORRT_PLUGIN_VERSION, mask_id=mask_id)
 
 
 def standalone_model(mask_id: int, opset: int = 18) -> onnx.ModelProto:
@@ -178,9 +196,7 @@ def standalone_model(mask_id: int, opset: int = 18) -> onnx.ModelProto:
     value = lambda name: make(name, elem.get(name, onnx.TensorProto.INT64), shape.get(name, ["B"]))  # noqa: E731
     graph = onnx.helper.make_graph([node(list(INPUTS), list(OUTPUTS), mask_id)], "parallel_unmask",
                                    [value(n) for n in INPUTS], [value(n) for n in OUTPUTS])
-    return onnx.helper.make_model(
-        graph, functions=function_protos(),
-        opset_imports=[onnx.helper.make_opsetid("", opset), onnx.helper.make_opsetid(DOMAIN, VERSION)])
+    return model_of_node(graph, function_protos(), opset)
 
 
 class _NodeOpset(Opset):

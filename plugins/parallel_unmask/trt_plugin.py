@@ -62,6 +62,20 @@ def _build_target() -> int:
     return driver.active.get_current_target().arch
 
 
+def aot_launch(trtp, kernel, scalars, grid_x, grid_y=None):
+    """What an AOT implementation returns for the compiled `kernel`: its name and PTX, its launch over the
+    grid (x, and y when given) and its int32 `scalars`, which TensorRT passes between the input and output
+    pointers."""
+    launch = trtp.KernelLaunchParams()
+    launch.grid_x = grid_x
+    if grid_y is not None:
+        launch.grid_y = grid_y
+    launch.block_x = kernel.threads
+    launch.shared_mem = kernel.shared_mem
+    return kernel.name.encode(), kernel.ptx.encode(), launch, trtp.SymIntExprs.from_tuple(
+        [trtp.SymInt32(e) for e in scalars])
+
+
 def _define(trt, trtp, name: str) -> None:
     from dlmrt.plugins.parallel_unmask import aot
 
@@ -80,11 +94,5 @@ def _define(trt, trtp, name: str) -> None:
                  mask_id: int, outputs: Tuple[Desc], tactic: int
                  ) -> Tuple[Union[str, bytes], Union[str, bytes], trtp.KernelLaunchParams, trtp.SymExprs]:
         kernel = aot.compile_kernel("parallel_unmask_kernel", _build_target())
-        launch = trtp.KernelLaunchParams()
-        launch.grid_x = ids.shape_expr[0]  # one program per row
-        launch.block_x = kernel.threads
-        launch.shared_mem = kernel.shared_mem
-        # the kernel's scalars, between the input and output pointers: W, V, mask_id
-        scalars = trtp.SymIntExprs.from_tuple([trtp.SymInt32(e) for e in (ids.shape_expr[1],
-                                                                          logits.shape_expr[2], mask_id)])
-        return kernel.name.encode(), kernel.ptx.encode(), launch, scalars
+        # one program per row; the kernel's scalars: W, V, mask_id
+        return aot_launch(trtp, kernel, (ids.shape_expr[1], logits.shape_expr[2], mask_id), ids.shape_expr[0])

@@ -15,7 +15,8 @@ from onnxscript import script
 from onnxscript import opset18 as op
 from onnxscript.values import Opset
 
-from dlmrt.plugins.parallel_unmask.onnx_function import _NodeOpset, plugin_attributes
+from dlmrt.plugins.parallel_unmask.onnx_function import (_NodeOpset, model_of_node, plugin_attributes, plugin_node,
+                                                         register_once)
 
 DOMAIN = "dlmrt"
 OP_TYPE = "ResidualContext"
@@ -61,13 +62,11 @@ def schema() -> onnx.defs.OpSchema:
 
 def register_schema() -> None:
     """Make the node known to onnx (checker, shape inference); safe to call more than once."""
-    if not onnx.defs.has(OP_TYPE, DOMAIN):
-        onnx.defs.register_schema(schema())
+    register_once(OP_TYPE, schema)
 
 
 def node(inputs: list[str], outputs: list[str], name: str = "residual_context") -> onnx.NodeProto:
-    return onnx.helper.make_node(OP_TYPE, inputs, outputs, name=name, domain=DOMAIN, plugin_namespace=DOMAIN,
-                                 plugin_version=TENSORRT_PLUGIN_VERSION)
+    return plugin_node(OP_TYPE, inputs, outputs, name, TENSORRT_PLUGIN_VERSION)
 
 
 def standalone_model(logits_dtype: str = "float32", embedding_dtype: str = "float32",
@@ -79,9 +78,7 @@ def standalone_model(logits_dtype: str = "float32", embedding_dtype: str = "floa
         [node(list(INPUTS), list(OUTPUTS))], "residual_context",
         [make("logits", _ELEMENT_TYPES[logits_dtype], ["B", "T", "V"]), make("embedding", embedding_type, ["V", "H"])],
         [make("z", embedding_type, ["B", "T", "H"]), make("certainty", embedding_type, ["B", "T"])])
-    return onnx.helper.make_model(
-        graph, functions=function_protos(),
-        opset_imports=[onnx.helper.make_opsetid("", opset), onnx.helper.make_opsetid(DOMAIN, VERSION)])
+    return model_of_node(graph, function_protos(), opset)
 
 
 register_schema()

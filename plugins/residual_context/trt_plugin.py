@@ -20,7 +20,7 @@ the registration; building an engine from an exported ORL step graph is the chec
 from typing import Tuple, Union
 
 from dlmrt.core.errors import KernelInputError
-from dlmrt.plugins.parallel_unmask.trt_plugin import _build_target, register_plugin
+from dlmrt.plugins.parallel_unmask.trt_plugin import _build_target, aot_launch, register_plugin
 
 
 def register() -> None:
@@ -58,11 +58,6 @@ def _define(trt, trtp, name: str) -> None:
         kernel = aot.compile_kernel("residual_kernel", _build_target(), types)
         rows = logits.shape_expr[0] * logits.shape_expr[1]
         hidden = embedding.shape_expr[1]
-        launch = trtp.KernelLaunchParams()
-        launch.grid_x = trtp.cdiv(rows, kernel.constexprs["BLOCK_N"])
-        launch.grid_y = trtp.cdiv(hidden, kernel.constexprs["BLOCK_H"])
-        launch.block_x = kernel.threads
-        launch.shared_mem = kernel.shared_mem
-        # the kernel's scalars, between the input and output pointers: N = B * T, V, H
-        scalars = trtp.SymIntExprs.from_tuple([trtp.SymInt32(e) for e in (rows, logits.shape_expr[2], hidden)])
-        return kernel.name.encode(), kernel.ptx.encode(), launch, scalars
+        grid = trtp.cdiv(rows, kernel.constexprs["BLOCK_N"]), trtp.cdiv(hidden, kernel.constexprs["BLOCK_H"])
+        # the kernel's scalars: N = B * T, V, H
+        return aot_launch(trtp, kernel, (rows, logits.shape_expr[2], hidden), *grid)
