@@ -16,7 +16,7 @@ import torch
 
 import dlmrt
 from dlmrt.core.errors import ArgumentError
-from dlmrt.runtime import Dream, GenerationSettings, Generator, Threshold
+from dlmrt.runtime import CACHE_MODES, Dream, GenerationSettings, Generator, Threshold
 from dlmrt.runtime.policies import dream_schedule
 from helpers import Loop
 
@@ -80,7 +80,7 @@ def test_onnx_runtime_gives_the_public_tokens(dream_export):
             case_id(case)
 
 
-@pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
+@pytest.mark.parametrize("cache", CACHE_MODES)
 @pytest.mark.parametrize("policy", [Threshold(0.2), Dream(12, confidence="margin")], ids=["threshold", "dream"])
 def test_onnx_runtime_gives_the_torch_tokens_in_blocks_and_batches(dream_model, dream_export, cache, policy):
     from dlmrt.runtime.ort_backend import OrtBackend

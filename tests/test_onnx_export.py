@@ -15,7 +15,8 @@ from dlmrt.core import tasks  # noqa: E402
 from dlmrt.core.errors import ArgumentError, CheckpointError, UnsupportedFeatureError  # noqa: E402
 from dlmrt.export import onnx_export  # noqa: E402
 from dlmrt.export.export_manifest import MANIFEST_FILE, ExportLimits, ExportManifest  # noqa: E402
-from dlmrt.runtime import Factor, Fixed, GenerationSettings, Generator, LLaDA2, ResidualPolicy, Threshold, text  # noqa: E402
+from dlmrt.runtime import (  # noqa: E402
+    CACHE_MODES, Factor, Fixed, GenerationSettings, Generator, LLaDA2, ResidualPolicy, Threshold, text)
 from dlmrt.runtime.ort_backend import OrtBackend  # noqa: E402
 from helpers import LLADA, LLADA2, ORL, config, random_model  # noqa: E402
 
@@ -35,12 +36,11 @@ def exported(tmp_path_factory):
             for name, model in models.items()}
 
 
-CACHES = ("none", "prefix", "dual")
 # Greedy, sampled and guided: what the graph's inputs carry besides the policy's numbers.
 VARIANTS = ((0.0, 0.0), (0.8, 0.0), (0.0, 1.5))
 
 
-@pytest.mark.parametrize("name, cache", [(name, cache) for name in ("llada", "orl", "llada2") for cache in CACHES
+@pytest.mark.parametrize("name, cache", [(name, cache) for name in ("llada", "orl", "llada2") for cache in CACHE_MODES
                                          if not (name == "llada2" and cache == "dual")])
 def test_ort_gives_the_torch_tokens_for_every_policy(exported, name, cache):
     """Every policy under every cache mode; the variants rotate over both, so that each model meets
@@ -48,7 +48,7 @@ def test_ort_gives_the_torch_tokens_for_every_policy(exported, name, cache):
     model, directory = exported[name]
     ort_generator, torch_generator = Generator(OrtBackend(directory)), Generator(model, mode="eager")
     for index, policy in enumerate(POLICIES):
-        temperature, cfg_scale = VARIANTS[(index + CACHES.index(cache)) % len(VARIANTS)]
+        temperature, cfg_scale = VARIANTS[(index + CACHE_MODES.index(cache)) % len(VARIANTS)]
         settings = GenerationSettings(12, 4, policy, cache=cache, temperature=temperature, seed=3,
                                       cfg_scale=cfg_scale)
         expected = torch_generator.generate(PROMPTS, settings)
@@ -57,7 +57,7 @@ def test_ort_gives_the_torch_tokens_for_every_policy(exported, name, cache):
         assert got.metrics.nfe == expected.metrics.nfe
 
 
-@pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
+@pytest.mark.parametrize("cache", CACHE_MODES)
 def test_ort_gives_the_torch_tokens_on_the_tiny_model(exported, cache):
     model, directory = exported["tiny"]
     prompts = [text.encode(model, e.prompt) for e in tasks.examples("test", 8, seed=5)]

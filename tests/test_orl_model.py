@@ -10,7 +10,7 @@ import torch
 
 import dlmrt
 from dlmrt.core import hashing, tasks
-from dlmrt.runtime import Factor, GenerationSettings, Generator, ResidualPolicy, Threshold, text
+from dlmrt.runtime import CACHE_MODES, Factor, GenerationSettings, Generator, ResidualPolicy, Threshold, text
 
 POLICIES = [ResidualPolicy(Threshold(0.7)), ResidualPolicy(Threshold(0.9)), ResidualPolicy(Factor(2.0))]
 
@@ -59,7 +59,7 @@ def test_the_torch_modes_and_device_loop_give_the_same_tokens(orl, prompts, poli
         assert torch.equal(compiled.generate(prompts, settings).tokens, expected), steps_per_sync
 
 
-@pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
+@pytest.mark.parametrize("cache", CACHE_MODES)
 def test_onnx_runtime_gives_the_tokens_of_torch(orl, orl_export, prompts, cache):
     from dlmrt.runtime.ort_backend import OrtBackend
 

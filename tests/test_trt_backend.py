@@ -19,7 +19,7 @@ from dlmrt.engines.select import EngineMismatch  # noqa: E402
 from dlmrt.engines.store import EngineStore  # noqa: E402
 from dlmrt.core.errors import ArgumentError, MissingExtraError  # noqa: E402
 from dlmrt.export.export_manifest import ExportManifestError  # noqa: E402
-from dlmrt.runtime import Fixed, GenerationSettings, Generator, Threshold, text  # noqa: E402
+from dlmrt.runtime import CACHE_MODES, Fixed, GenerationSettings, Generator, Threshold, text  # noqa: E402
 from dlmrt.runtime.ort_backend import OrtBackend  # noqa: E402
 from dlmrt.runtime.trt_backend import TrtBackend  # noqa: E402
 from fake_tensorrt import FakeTensorRT, engine_builder  # noqa: E402
@@ -50,7 +50,7 @@ def prompts():
     return [text.encode(model, e.prompt) for e in tasks.examples("test", 2, seed=7)[:3]]
 
 
-@pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
+@pytest.mark.parametrize("cache", CACHE_MODES)
 @pytest.mark.parametrize("policy", [Fixed(16), Threshold(0.9)], ids=["fixed", "threshold"])
 def test_the_engines_give_the_tokens_of_onnx_runtime_and_torch(tiny_export, store, prompts, cache, policy):
     settings = GenerationSettings(16, 8, policy, cache=cache)
