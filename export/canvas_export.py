@@ -25,7 +25,7 @@ Choices, and why:
 - The prompt has no cache: it runs the same `encode` graph with an empty prefix (P = 0, past tensors
   of zero positions). torch.export takes the prefix dimension with `min=0` and the traced graph holds
   no branch on it (concatenating an empty past is a no-op in ONNX), so no `prefill` graph of its own
-  is needed, which saves a third of the export time; tests/test_diffusion_gemma_onnx.py checks P = 0
+  is needed, which saves a third of the export time; tests/export/test_diffusion_gemma_onnx.py checks P = 0
   against the torch encoder. `decode` takes P = 0 too (a canvas with no context, `past=None`).
 - The key mask comes in two parts, the prefix's `past_key_mask [B, P]` and the new positions'
   `key_mask [B, T]`, as in the mask models' `step_cached` graph: a single `[B, P + T]` input would

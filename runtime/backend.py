@@ -22,8 +22,8 @@ if TYPE_CHECKING:
 
     from dlmrt.export.export_manifest import ExportManifest
     from dlmrt.export.models.denoiser import LayerGroupKV
-    from dlmrt.runtime.canvas_state import CacheGroup, CanvasBucket, CanvasState
-    from dlmrt.runtime.canvas_step import CanvasGraphs
+    from dlmrt.runtime.uniform_state import CacheGroup, UniformState
+    from dlmrt.runtime.uniform_step import UniformGraphs
     from dlmrt.runtime.device_state import Bucket, BucketLadder, DeviceState
     from dlmrt.runtime.device_step import StepKind
     from dlmrt.runtime.executor import StepProgram
@@ -80,12 +80,12 @@ class Backend(ABC):
 
         self.spec, self.ladder = spec, ladder
         self.executor = Executor(self, mode, on_failure, on_compile)
-        self._states: dict[Bucket | CanvasBucket, DeviceState | CanvasState] = {}
-        self._owners: dict[Bucket | CanvasBucket, weakref.ref] = {}
+        self._states: dict[Bucket, DeviceState | UniformState] = {}
+        self._owners: dict[Bucket, weakref.ref] = {}
 
-    def prepare(self, bucket: Bucket | CanvasBucket, owner: object) -> DeviceState | CanvasState:
+    def prepare(self, bucket: Bucket, owner: object) -> DeviceState | UniformState:
         """The static state of `bucket` (allocated on first use) for `owner`, a running request: a
-        DeviceState for a mask model's Bucket, a CanvasState for a uniform-noise model's CanvasBucket.
+        DeviceState for a mask model's bucket, a UniformState for a uniform-noise model's.
         A bucket runs one request at a time; it is free again once `release` was called or its owner
         is gone."""
         holder = self._owners.get(bucket)
@@ -97,15 +97,15 @@ class Backend(ABC):
         self._owners[bucket] = weakref.ref(owner)
         return self._states[bucket]
 
-    def _allocate(self, bucket: Bucket | CanvasBucket) -> DeviceState | CanvasState:
-        from dlmrt.runtime.canvas_state import CanvasBucket, CanvasState
+    def _allocate(self, bucket: Bucket) -> DeviceState | UniformState:
+        from dlmrt.runtime.uniform_state import UniformState
         from dlmrt.runtime.device_state import DeviceState
 
-        if isinstance(bucket, CanvasBucket):
-            return CanvasState.allocate(self.spec, bucket, self.cache_groups())
+        if bucket.noise == "uniform":
+            return UniformState.allocate(self.spec, bucket, self.cache_groups())
         return DeviceState.allocate(self.spec, bucket)
 
-    def release(self, state: DeviceState | CanvasState) -> None:
+    def release(self, state: DeviceState | UniformState) -> None:
         self._owners.pop(state.bucket, None)
 
     # -- the executor's ------------------------------------------------------------------------------------
@@ -124,8 +124,8 @@ class Backend(ABC):
         """The masked step graph of `kind` on `state`, as `device_step.step` calls it: inputs by name in,
         GraphOutputs out."""
 
-    def uniform_graphs(self, state: CanvasState) -> CanvasGraphs:
-        """A uniform-noise model's decoder and soft tokens on `state`, as `canvas_step.step` calls them."""
+    def uniform_graphs(self, state: UniformState) -> UniformGraphs:
+        """A uniform-noise model's decoder and soft tokens on `state`, as `uniform_step.step` calls them."""
         raise ArgumentError(f"the {type(self).__name__} does not run uniform-noise models: use the torch or ort "
                             f"backend for {self.spec.name}")
 
@@ -169,9 +169,9 @@ class BindingBackend(Backend):
 
         return BoundStepGraph(self, state, kind)
 
-    def uniform_graphs(self, state: CanvasState) -> CanvasGraphs:
-        from dlmrt.runtime.canvas_step import BoundCanvasGraphs
+    def uniform_graphs(self, state: UniformState) -> UniformGraphs:
+        from dlmrt.runtime.uniform_step import BoundUniformGraphs
 
         if self.spec.noise != "uniform":
             return super().uniform_graphs(state)
-        return BoundCanvasGraphs(state, self.spec.vocab_size, self.bind)
+        return BoundUniformGraphs(state, self.spec.vocab_size, self.bind)

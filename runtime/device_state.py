@@ -29,15 +29,42 @@ from dlmrt.runtime.static_buffers import StaticBuffers, shifted_copy
 
 @dataclass(frozen=True)
 class Bucket:
+    """The shapes of one state, for either noise kind. A mask model's bucket is a batch and a canvas
+    of whole blocks. A uniform-noise model's canvas is its prompt region (`prompt`) followed by its
+    blocks, and it has room for a temperature schedule (`schedule`)."""
+
     batch: int  # rows, padded rows included
-    canvas: int  # canvas positions, padding included
-    block: int  # block length
-    guided: bool  # classifier-free guidance: the model runs 2 * batch rows
-    cached: bool  # the state holds K/V storage (cache prefix or dual)
+    canvas: int  # positions, padding included
+    block: int  # block length (uniform noise: W, the positions a step denoises)
+    guided: bool = False  # classifier-free guidance: the model runs 2 * batch rows
+    cached: bool = False  # the state holds K/V storage (cache prefix or dual)
+    noise: str = "mask"  # Denoiser.noise
+    prompt: int = 0  # uniform noise: P, the prompt region (left padding included)
+    schedule: int = 0  # uniform noise: the temperature schedule's room (the most steps a block takes)
 
     @property
     def model_rows(self) -> int:
         return self.batch * (2 if self.guided else 1)
+
+    @property
+    def blocks(self) -> int:
+        """Uniform noise: the blocks after the prompt region."""
+        return (self.canvas - self.prompt) // self.block
+
+    @property
+    def storage(self) -> int:
+        """Uniform noise: S, the cache positions (the last block is never committed)."""
+        return self.canvas - self.block
+
+    def slot(self, block: int) -> int:
+        """Uniform noise: the storage index where block `block`'s committed tokens start."""
+        return self.prompt + block * self.block
+
+    @staticmethod
+    def schedule_room(steps: int) -> int:
+        """The schedule length of a bucket for blocks of at most `steps` steps: a power of two of at
+        least 64, so that runs with different step counts share a bucket."""
+        return max(64, 1 << (steps - 1).bit_length())
 
 
 @dataclass(frozen=True)

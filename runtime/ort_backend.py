@@ -20,7 +20,7 @@ from dlmrt.core.errors import ArgumentError, MissingExtraError
 from dlmrt.export.export_manifest import ExportManifest
 from dlmrt.export.models.denoiser import LayerGroupKV
 from dlmrt.runtime.backend import BindingBackend, ModelSpec
-from dlmrt.runtime.canvas_state import CacheGroup, encoder_inputs, zero_cache
+from dlmrt.runtime.uniform_state import CacheGroup, encoder_inputs, zero_cache
 from dlmrt.runtime.device_state import BucketLadder
 from dlmrt.runtime.ort_cache import OptimizedModelCache
 

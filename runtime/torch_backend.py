@@ -19,7 +19,7 @@ from dlmrt.export.models.residual import Residual
 from dlmrt.export.step_graph import StepGraph, check_unmask
 from dlmrt.runtime import onednn
 from dlmrt.runtime.backend import Backend, ModelSpec
-from dlmrt.runtime.canvas_state import CacheGroup, CanvasState
+from dlmrt.runtime.uniform_state import CacheGroup, UniformState
 from dlmrt.runtime.device_state import BucketLadder, DeviceState
 from dlmrt.runtime.device_step import GraphOutputs, StepKind
 from dlmrt.runtime.executor import MODES
@@ -118,8 +118,8 @@ class TorchBackend(Backend):
                                             self.observe)
         return self._graphs[key]
 
-    def uniform_graphs(self, state: CanvasState) -> _TorchCanvasGraphs:
-        return _TorchCanvasGraphs(self.model)
+    def uniform_graphs(self, state: UniformState) -> _TorchUniformGraphs:
+        return _TorchUniformGraphs(self.model)
 
     def binding_key(self, program) -> object:
         return program  # the torch step graph is specialized on the whole kind (sampling, confidence, ...)
@@ -137,15 +137,15 @@ class TorchBackend(Backend):
         return self.model.encode(ids, positions=positions, key_mask=key_mask, past=cache)
 
 
-class _TorchCanvasGraphs:
-    """A uniform-noise model's decoder and soft tokens as `canvas_step.step` calls them."""
+class _TorchUniformGraphs:
+    """A uniform-noise model's decoder and soft tokens as `uniform_step.step` calls them."""
 
     def __init__(self, model: Denoiser):
         self.model = model
 
-    def decode(self, state: CanvasState) -> Tensor:
+    def decode(self, state: UniformState) -> Tensor:
         key_mask = torch.cat((state.past_key_mask, state.key_mask), dim=1)
-        return self.model.denoise(state.canvas, positions=state.positions, key_mask=key_mask, past=state.cache,
+        return self.model.denoise(state.block_ids, positions=state.positions, key_mask=key_mask, past=state.cache,
                                   residual=Residual(state.z, None)).logits
 
     def soft_tokens(self, scaled_logits: Tensor) -> Tensor:

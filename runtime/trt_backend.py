@@ -22,7 +22,7 @@ from dlmrt.export.export_manifest import CANVAS_GRAPHS, ExportManifest
 from dlmrt.plugins import register_tensorrt_plugins
 from dlmrt.export.models.denoiser import LayerGroupKV
 from dlmrt.runtime.backend import BindingBackend, ModelSpec
-from dlmrt.runtime.canvas_state import CacheGroup, encoder_inputs, zero_cache
+from dlmrt.runtime.uniform_state import CacheGroup, encoder_inputs, zero_cache
 from dlmrt.runtime.device_state import BucketLadder
 
 

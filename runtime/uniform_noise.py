@@ -15,8 +15,8 @@ from torch import Tensor
 
 from dlmrt.export.models.denoiser import LayerGroupKV
 from dlmrt.plugins.entropy_bound import pad_after_eos, temperature_schedule
-from dlmrt.runtime.canvas_state import CanvasBucket
-from dlmrt.runtime.canvas_step import UNIFORM_STEP
+from dlmrt.runtime.device_state import Bucket
+from dlmrt.runtime.uniform_step import UNIFORM_STEP
 from dlmrt.runtime.running_batch import BlockOutcome, Row, RunningBatch
 from dlmrt.runtime.settings import GenerationSettings
 from dlmrt.runtime.text import completion
@@ -49,7 +49,7 @@ class UniformBatch(RunningBatch):
     def _new_row(self, prompt: Sequence[int], settings: GenerationSettings, seed: int, **common) -> UniformRow:
         self.backend.ladder.canvas_for(len(prompt) + settings.gen_length, settings.block_length)
         policy = settings.policy
-        schedule = torch.ones(CanvasBucket.schedule_room(policy.steps))
+        schedule = torch.ones(Bucket.schedule_room(policy.steps))
         schedule[:policy.steps] = temperature_schedule(policy.t_min, policy.t_max, policy.steps)
         params = {"temperatures": schedule, "last_step": policy.steps - 1, "entropy_bound": policy.entropy_bound,
                   "seed": seed, "stability_threshold": policy.stability_threshold,
@@ -57,11 +57,11 @@ class UniformBatch(RunningBatch):
         return UniformRow(settings=settings, params=params, prompt=list(prompt), prompt_length=len(prompt),
                           blocks=settings.gen_length // settings.block_length, settled=[], **common)
 
-    def _bucket_for(self, rows: Sequence[UniformRow]) -> CanvasBucket:
+    def _bucket_for(self, rows: Sequence[UniformRow]) -> Bucket:
         width, blocks = self.key.block_length, max(row.blocks for row in rows)
         total = self.backend.ladder.canvas_for(max(row.prompt_length for row in rows) + blocks * width, width)
-        return CanvasBucket(batch=self.backend.ladder.batch_for(len(rows)), prompt=total - blocks * width,
-                            width=width, blocks=blocks, schedule=CanvasBucket.schedule_room(self.key.policy.steps))
+        return Bucket(batch=self.backend.ladder.batch_for(len(rows)), canvas=total, block=width, noise="uniform",
+                      prompt=total - blocks * width, schedule=Bucket.schedule_room(self.key.policy.steps))
 
     def _fits(self, rows: Sequence[UniformRow]) -> bool:
         width = self.key.block_length
@@ -78,7 +78,7 @@ class UniformBatch(RunningBatch):
             row.slot = slot
         self._encode_prompts(joining)
 
-    def _move(self, bucket: CanvasBucket) -> None:
+    def _move(self, bucket: Bucket) -> None:
         """Put the batch in `bucket`; running rows move with it, to slots 0, 1, ..."""
         old = self.state
         self.state = self.backend.prepare(bucket, owner=self) if old is None or bucket != old.bucket else old

@@ -160,7 +160,8 @@ def fresh_module(name: str):
 def run_in_interpreter(script: str, cases: dict, folder: Path) -> dict:
     """The outputs of every case, from `script` run under TRITON_INTERPRET=1."""
     torch.save(cases, folder / "cases.pt")
-    env = dict(os.environ, TRITON_INTERPRET="1")
+    path = os.pathsep.join(filter(None, (str(Path(__file__).parent), os.environ.get("PYTHONPATH"))))  # these helpers
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
     done = subprocess.run([sys.executable, script, str(folder / "cases.pt"), str(folder / "results.pt")], env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -197,3 +198,18 @@ def check_plugin_registration(op: str) -> None:
     creator = trt.get_plugin_registry().get_creator(onnx_function.OP_TYPE, onnx_function.TENSORRT_PLUGIN_VERSION,
                                                     onnx_function.DOMAIN)
     assert creator is not None, f"dlmrt::{onnx_function.OP_TYPE} is not in TensorRT's plugin registry"
+
+
+def plan_for(export_dir, tmp_path, target="sm_90", precision="bf16", tensorrt="10.13", **options):
+    """The TensorRT build plan of an export for one target (no TensorRT needed)."""
+    from dlmrt.engines import targets
+    from dlmrt.engines.plan import make_plan
+
+    return make_plan(export_dir, targets.target_named(target), precision, tensorrt=tensorrt,
+                     store=tmp_path / "store", **options)
+
+
+def load_graphs(plan, export_dir):
+    import onnx
+
+    return {graph.name: onnx.load(str(export_dir / graph.onnx)) for graph in plan.graphs}

@@ -28,7 +28,7 @@ are compile-time constants and the loops run over the actual W and V, so one com
 any V and any W <= BLOCK_W. `entropy_bound_step` launches the kernels on CUDA tensors, or on CPU
 tensors when this module was imported under TRITON_INTERPRET=1.
 
-Agreement with the reference (tests/test_entropy_bound_triton.py): scaled logits, argmax and
+Agreement with the reference (tests/ops/test_entropy_bound_triton.py): scaled logits, argmax and
 samples to the bit; entropies to float32 rounding (a different summation order over V, and the GPU's
 exp/log); the acceptance is the reference's exactly for the entropies the kernel computed, so it
 can only differ where two entropies lie within float32 rounding of each other or a sum within that

@@ -22,7 +22,7 @@ from dlmrt.plugins.entropy_bound import RenoiseParams, entropy_bound_step, initi
 from dlmrt.runtime import EntropyBound, GenerationSettings, Generator, Threshold, make_policy
 from dlmrt.runtime.policies import entropy_bound_defaults
 
-DATA = Path(__file__).parent / "data" / "diffusion_gemma"
+DATA = Path(__file__).parents[1] / "data" / "diffusion_gemma"
 PROMPTS = [[2, 17, 42, 5], [2, 9, 22, 31, 8, 77], [2, 40]]
 
 
@@ -73,7 +73,7 @@ def reference(model, prompt: list[int], gen_length: int, block: int, policy: Ent
 
 # A policy whose stop rule fires on this random model's flat distributions, so that steps end early.
 EARLY = EntropyBound(steps=6, stability_threshold=0, confidence_threshold=3.5)
-TINY = Path(__file__).parents[1] / "dlmrt" / "assets" / "tiny-diffusion-gemma"
+TINY = Path(__file__).parents[2] / "dlmrt" / "assets" / "tiny-diffusion-gemma"
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +111,7 @@ def test_the_decoder_over_the_storage_is_the_plain_decoder(model):
     """The step's decoder reads the bucket's cache storage (prompt left-padded to whole blocks, unwritten
     slots masked): the same logits as the plain decoder over the prompt's own cache, to float rounding."""
     from dlmrt.runtime.running_batch import open_batch
-    from dlmrt.runtime.torch_backend import TorchBackend, _TorchCanvasGraphs
+    from dlmrt.runtime.torch_backend import TorchBackend, _TorchUniformGraphs
 
     prompt = PROMPTS[0]
     batch = open_batch(TorchBackend(model, mode="eager"))
@@ -121,9 +121,9 @@ def test_the_decoder_over_the_storage_is_the_plain_decoder(model):
         state = batch.state
         assert state.bucket.prompt == 8 and state.bucket.storage == 16  # 4 tokens of padding, 8 unwritten slots
         state.start_blocks(model.vocab_size)
-        got = _TorchCanvasGraphs(model).decode(state)
+        got = _TorchUniformGraphs(model).decode(state)
         positions = torch.arange(len(prompt), len(prompt) + 8)[None]
-        expected = model.denoise(state.canvas, positions=positions, past=model.encode(torch.tensor([prompt]))).logits
+        expected = model.denoise(state.block_ids, positions=positions, past=model.encode(torch.tensor([prompt]))).logits
     assert (got - expected).abs().max() < 1e-4
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from dlmrt.export.export_manifest import MANIFEST_FILE, ExportManifest, ExportManifestError, TensorContract
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SHA = "ab" * 32
 
 

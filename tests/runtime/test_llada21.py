@@ -24,7 +24,7 @@ from dlmrt.core.errors import ArgumentError
 from dlmrt.runtime import GenerationSettings, Generator, LLaDA21, Threshold, make_policy
 from helpers import TOKENS, Loop
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 PUBLIC = json.loads((DATA / "llada21" / "expected.json").read_text())
 CASES = PUBLIC["cases"]
 EDITING_CASES = [c for c in CASES if c["editing_threshold"] < 1]
@@ -218,7 +218,8 @@ def test_an_export_made_before_editing_refuses_editing():
 
 def test_the_preflight_refuses_an_export_made_before_editing(tmp_path):
     from dlmrt.engines import preflight
-    from test_engine_plan import load_graphs, plan_for
+    from helpers import load_graphs, plan_for
+
     plan = plan_for(DATA / "export-v1", tmp_path, graphs=("full",))
     problems = [str(p) for p in preflight.check(plan, load_graphs(plan, DATA / "export-v1"))]
     assert any("has 10 inputs" in p and "re-export" in p for p in problems), problems

@@ -37,7 +37,7 @@ from dlmrt.plugins.entropy_bound import (RANDOM_TOKEN_SALT, RenoiseParams, conta
 from dlmrt.plugins.parallel_unmask import uniform
 from dlmrt.plugins.parallel_unmask.reference import _RANDOM_CONFIDENCE_SALT
 
-DATA = Path(__file__).resolve().parent / "data" / "entropy_bound"
+DATA = Path(__file__).resolve().parents[1] / "data" / "entropy_bound"
 INF = math.inf
 
 

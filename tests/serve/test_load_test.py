@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).parents[1] / "scripts" / "load_test.py"
+SCRIPT = Path(__file__).parents[2] / "scripts" / "load_test.py"
 
 
 def load_script():

@@ -19,7 +19,7 @@ from dlmrt.export.models import PastKV, SpecialTokens
 from qwen_testing import EOS, FIRST_WORD, MASK, PAD, TOKENS, check, left_padded, make_model, random_ids
 from sdar_reference import sdar_forward
 
-PUBLIC_DIR = Path(__file__).parent / "data" / "sdar"
+PUBLIC_DIR = Path(__file__).parents[1] / "data" / "sdar"
 
 SDAR = {
     "architectures": ["SDARForCausalLM"], "model_type": "sdar", "hidden_size": 32, "intermediate_size": 48,

@@ -23,7 +23,7 @@ import pytest
 
 from dlmrt.export.models import FAMILIES
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TOP = ("dlmrt.cli", "dlmrt.serve", "dlmrt.bench", "dlmrt.eval", "dlmrt.orl")
 
 

@@ -20,7 +20,7 @@ from dlmrt.runtime import CACHE_MODES, Dream, GenerationSettings, Generator, Thr
 from dlmrt.runtime.policies import dream_schedule
 from helpers import Loop
 
-DATA = Path(__file__).parent / "data" / "dream"
+DATA = Path(__file__).parents[1] / "data" / "dream"
 PUBLIC = json.loads((DATA / "expected.json").read_text())
 CASES = PUBLIC["cases"]
 EPS = PUBLIC["settings"]["eps"]

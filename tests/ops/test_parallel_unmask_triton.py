@@ -20,7 +20,7 @@ import torch
 from dlmrt.core.errors import KernelInputError, MissingExtraError
 from dlmrt.plugins.parallel_unmask import MEASURE_CODES, EditParams, UnmaskParams, parallel_unmask
 from helpers import check_plugin_registration, cuda_kernels, fresh_module, interpret_cases, run_in_interpreter
-from test_parallel_unmask import exact_row, logits_of, make_params, probs_row
+from parallel_unmask_reference import exact_row, logits_of, make_params, probs_row
 
 pytest.importorskip("triton", reason="the Triton kernels need the dlmrt[triton] extra")
 

@@ -1,6 +1,6 @@
 """A uniform-noise request's decoding state, in static buffers owned per shape bucket.
 
-Design notes: docs/runtime-modules.md#canvas_state.
+Design notes: docs/runtime-modules.md#uniform_state.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from torch import Tensor
 from dlmrt.core import limits
 from dlmrt.export.models.denoiser import LayerGroupKV
 from dlmrt.runtime.backend import ModelSpec
+from dlmrt.runtime.device_state import Bucket
 from dlmrt.runtime.static_buffers import StaticBuffers, shifted_copy
 
 
@@ -48,38 +49,15 @@ def encoder_inputs(ids: Tensor, positions: Tensor, key_mask: Tensor, cache: Laye
             "past_positions": cache.positions}
 
 
-@dataclass(frozen=True)
-class CanvasBucket:
-    batch: int  # rows, padding rows included
-    prompt: int  # P: the prompt region, left padding included
-    width: int  # W: the canvas (block) length
-    blocks: int  # blocks per request (gen_length / W)
-    schedule: int  # the temperature schedule's room: at least the most steps a block takes
-
-    @staticmethod
-    def schedule_room(steps: int) -> int:
-        """The schedule length of a bucket for blocks of at most `steps` steps."""
-        return max(64, 1 << (steps - 1).bit_length())
-
-    @property
-    def storage(self) -> int:
-        """S: cache positions; the last block is never committed."""
-        return self.prompt + (self.blocks - 1) * self.width
-
-    def slot(self, block: int) -> int:
-        """The storage index where block `block`'s committed canvas starts."""
-        return self.prompt + block * self.width
-
-
 @dataclass
-class CanvasState(StaticBuffers):
-    """The static buffers of one canvas bucket (B rows, W canvas positions, S cache positions)."""
+class UniformState(StaticBuffers):
+    """The static buffers of one uniform-noise bucket (B rows, W block positions, S cache positions)."""
 
-    bucket: CanvasBucket
-    canvas: Tensor  # [B, W] int64: what the next step's decoder reads
+    bucket: Bucket
+    block_ids: Tensor  # [B, W] int64: the block's tokens, what the next step's decoder reads (its "canvas")
     argmax: Tensor  # [B, W] int64: the block's draft (-1 before the first step)
-    positions: Tensor  # [B, W] int64: the canvas's positions
-    key_mask: Tensor  # [B, W] bool: the canvas keys (all visible)
+    positions: Tensor  # [B, W] int64: the block's positions
+    key_mask: Tensor  # [B, W] bool: the block's keys (all visible)
     z: Tensor  # [B, W, H] model dtype: the last step's soft tokens (zero before the first step)
     cache_sliding: Tensor  # [Ls, 2, B, Hs, S, Ds]
     cache_full: Tensor  # [Lf, 2, B, Hf, S, Df]
@@ -102,26 +80,26 @@ class CanvasState(StaticBuffers):
     block: Tensor  # [B] int64: each row's current block
 
     @staticmethod
-    def estimated_bytes(spec: ModelSpec, bucket: CanvasBucket, groups: Sequence[CacheGroup]) -> int:
+    def estimated_bytes(spec: ModelSpec, bucket: Bucket, groups: Sequence[CacheGroup]) -> int:
         """The cache storage, and a step's largest transients: the block's logits in float32 (scaled,
         log-probabilities, probabilities) and float64 (the Gumbel-max sample)."""
         item = torch.tensor([], dtype=spec.dtype).element_size()
         cache = sum(g.layers * 2 * bucket.batch * g.heads * bucket.storage * g.head_dim * item for g in groups)
-        return cache + bucket.batch * bucket.width * spec.vocab_size * (3 * 4 + 2 * 8)
+        return cache + bucket.batch * bucket.block * spec.vocab_size * (3 * 4 + 2 * 8)
 
     @classmethod
-    def allocate(cls, spec: ModelSpec, bucket: CanvasBucket, groups: Sequence[CacheGroup]) -> CanvasState:
+    def allocate(cls, spec: ModelSpec, bucket: Bucket, groups: Sequence[CacheGroup]) -> UniformState:
         limits.check_fits(cls.estimated_bytes(spec, bucket, groups),
-                          f"a batch of {bucket.batch} over {bucket.storage} cached and {bucket.width} canvas "
+                          f"a batch of {bucket.batch} over {bucket.storage} cached and {bucket.block} canvas "
                           f"positions ({spec.name})", spec.device,
                           "decode fewer prompts at once (--batch-size, --max-batch), or shorter ones")
-        rows, width, storage, device = bucket.batch, bucket.width, bucket.storage, spec.device
+        rows, width, storage, device = bucket.batch, bucket.block, bucket.storage, spec.device
         long = dict(dtype=torch.long, device=device)
         flag = dict(dtype=torch.bool, device=device)
         real = dict(dtype=torch.float32, device=device)
         sliding, full, cache_positions = zero_cache(groups, rows, storage, spec.dtype, device)
         return cls(
-            bucket=bucket, canvas=torch.zeros(rows, width, **long), argmax=torch.zeros(rows, width, **long),
+            bucket=bucket, block_ids=torch.zeros(rows, width, **long), argmax=torch.zeros(rows, width, **long),
             positions=torch.zeros(rows, width, **long), key_mask=torch.ones(rows, width, **flag),
             z=torch.zeros(rows, width, spec.hidden_size, dtype=spec.dtype, device=device),
             cache_sliding=sliding, cache_full=full, cache_positions=cache_positions,
@@ -135,7 +113,7 @@ class CanvasState(StaticBuffers):
 
     def decoder_inputs(self) -> dict[str, Tensor]:
         """The exported decoder's inputs by name: the state's own buffers, read in place."""
-        return {"canvas": self.canvas, "positions": self.positions, "key_mask": self.key_mask,
+        return {"canvas": self.block_ids, "positions": self.positions, "key_mask": self.key_mask,
                 "past_key_mask": self.past_key_mask, "past_sliding": self.cache_sliding,
                 "past_full": self.cache_full, "past_positions": self.cache_positions, "z": self.z}
 
@@ -175,11 +153,11 @@ class CanvasState(StaticBuffers):
         for name in ("forwards", "block"):
             getattr(self, name)[slot] = 0
 
-    def take_rows(self, source: CanvasState, rows: Sequence[int]) -> None:
+    def take_rows(self, source: UniformState, rows: Sequence[int]) -> None:
         """Fill this bucket with `rows` of `source`, in that order, each row's cache storage moved by
         the difference of the prompt regions (so that its blocks' slots stay `slot(block)`); the other
         rows become padding."""
-        index = torch.tensor(list(rows), dtype=torch.long, device=self.canvas.device)
+        index = torch.tensor(list(rows), dtype=torch.long, device=self.block_ids.device)
         count, shift = len(rows), self.bucket.prompt - source.bucket.prompt
         self.reset()
         for name, tensor in self.tensors().items():
@@ -202,10 +180,10 @@ class CanvasState(StaticBuffers):
         """Point every row at its current block: fresh random canvas, no draft, no soft tokens."""
         from dlmrt.plugins.entropy_bound import initial_canvas
 
-        width = self.bucket.width
-        offsets = torch.arange(width, device=self.canvas.device)
+        width = self.bucket.block
+        offsets = torch.arange(width, device=self.block_ids.device)
         torch.add((self.prompt_lengths + self.block * width)[:, None], offsets, out=self.positions)
-        self.canvas.copy_(initial_canvas(self.seed, self.positions, vocab_size))
+        self.block_ids.copy_(initial_canvas(self.seed, self.positions, vocab_size))
         self.argmax.fill_(-1)
         self.z.zero_()
         self.block_step.zero_()

@@ -30,10 +30,10 @@ from dlmrt.export.export_manifest import (CANVAS_GRAPHS, MANIFEST_FILE, ExportMa
 from dlmrt.export.models.residual import Residual  # noqa: E402
 from dlmrt.runtime import EntropyBound, GenerationSettings, Generator, Threshold  # noqa: E402
 from dlmrt.runtime.exported_model import ExportedModel  # noqa: E402
-from dlmrt.runtime.canvas_state import encoder_inputs, zero_cache  # noqa: E402
+from dlmrt.runtime.uniform_state import encoder_inputs, zero_cache  # noqa: E402
 from dlmrt.runtime.ort_backend import OrtBackend  # noqa: E402
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 MODEL_DIR = DATA / "diffusion_gemma"
 EXPECTED = load_file(str(MODEL_DIR / "expected.safetensors"))
 SELF_CONDITIONING_TEMPERATURE = json.loads((MODEL_DIR / "expected.json").read_text())["self_conditioning_temperature"]
@@ -90,7 +90,7 @@ def assert_close(got, expected, tolerance: float = TOLERANCE) -> None:
 
 
 def recorded_steps():
-    """The recorded inputs, as tests/test_diffusion_gemma.py's decode_steps feeds them: (prompt, its
+    """The recorded inputs, as tests/models/test_diffusion_gemma.py's decode_steps feeds them: (prompt, its
     positions and key mask), (canvas, ...), (next canvas, ...), each key mask over [cache; ids]."""
     prompt, canvas, following = EXPECTED["prompt"], EXPECTED["canvas"], EXPECTED["next_canvas"]
     batch, length = prompt.shape
@@ -262,7 +262,7 @@ def test_ort_runs_the_loop_as_torch_on_the_random_model(backend, model):
     assert got.metrics.nfe == expected.metrics.nfe
 
 
-TINY = Path(__file__).parents[1] / "dlmrt" / "assets" / "tiny-diffusion-gemma"
+TINY = Path(__file__).parents[2] / "dlmrt" / "assets" / "tiny-diffusion-gemma"
 
 
 @pytest.fixture(scope="module")

@@ -277,7 +277,7 @@ def test_the_script_prints_one_line_for_bad_input(tmp_path, options, message):
     import subprocess
     import sys
 
-    script = Path(__file__).parents[1] / "scripts" / "train_orl.py"
+    script = Path(__file__).parents[2] / "scripts" / "train_orl.py"
     result = subprocess.run([sys.executable, str(script), "--base", str(dlmrt.TINY_MODEL_DIR), "--out",
                              str(tmp_path / "out"), *options], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and message in result.stdout

@@ -19,7 +19,7 @@ from dlmrt.export.models import PastKV, SpecialTokens
 from qwen_testing import EOS, MASK, PAD, TOKENS, check, left_padded, make_model, random_ids
 from dream_reference import dream_forward, shift
 
-PUBLIC_DIR = Path(__file__).parent / "data" / "dream"
+PUBLIC_DIR = Path(__file__).parents[1] / "data" / "dream"
 
 DREAM = {
     "architectures": ["DreamModel"], "model_type": "Dream", "hidden_size": 32, "intermediate_size": 48,

@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("onnxruntime")
 
-SCRIPT = Path(__file__).parents[1] / "scripts" / "bench_backends.py"
+SCRIPT = Path(__file__).parents[2] / "scripts" / "bench_backends.py"
 
 
 def test_every_cpu_backend_gives_torch_eagers_tokens_and_a_latency(tiny_export, tmp_path):

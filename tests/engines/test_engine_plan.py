@@ -5,24 +5,15 @@ from __future__ import annotations
 import copy
 import json
 
-import onnx
 import pytest
 from onnx import TensorProto, helper
 
 from dlmrt.engines import plan as plans
 from dlmrt.engines import preflight, profiles, targets
-from dlmrt.engines.plan import PlanError, make_plan
+from dlmrt.engines.plan import PlanError
 from dlmrt.engines.profiles import DimRange, ProfileError
 from dlmrt.export.export_manifest import ExportManifest, ExportManifestError, TensorContract
-
-
-def plan_for(export_dir, tmp_path, target="sm_90", precision="bf16", tensorrt="10.13", **options):
-    return make_plan(export_dir, targets.target_named(target), precision, tensorrt=tensorrt,
-                     store=tmp_path / "store", **options)
-
-
-def load_graphs(plan, export_dir):
-    return {graph.name: onnx.load(str(export_dir / graph.onnx)) for graph in plan.graphs}
+from helpers import load_graphs, plan_for
 
 
 # ---- targets ----------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from dlmrt.core.errors import CheckpointError, UnsupportedFeatureError
 from dlmrt.export import checkpoint, models
 from dlmrt.export.models.diffusion_gemma import FULL, SLIDING, inverse_frequencies, RopeConfig
 
-DATA = Path(__file__).parent / "data" / "diffusion_gemma"
+DATA = Path(__file__).parents[1] / "data" / "diffusion_gemma"
 EXPECTED = load_file(str(DATA / "expected.safetensors"))
 RECORDED = json.loads((DATA / "expected.json").read_text())
 TOLERANCE = 1e-4  # float32, as the issue asks
