@@ -46,3 +46,21 @@ def left_padded(raw: dict, pad: int, length: int, seed: int) -> tuple[torch.Tens
     key_mask = torch.ones(2, length, dtype=torch.bool)
     key_mask[0, :pad] = False
     return ids, key_mask
+
+# The tiny configs of the Qwen-based families.
+DREAM = {
+    "architectures": ["DreamModel"], "model_type": "Dream", "hidden_size": 32, "intermediate_size": 48,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 48,
+    "max_position_embeddings": 128, "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "hidden_act": "silu",
+    "tie_word_embeddings": False, "use_sliding_window": False, "sliding_window": None, "rope_scaling": None,
+    "attention_dropout": 0.0, "mask_token_id": MASK, "eos_token_id": EOS, "pad_token_id": PAD,
+}
+
+SDAR = {
+    "architectures": ["SDARForCausalLM"], "model_type": "sdar", "hidden_size": 32, "intermediate_size": 48,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "vocab_size": 48,
+    "max_position_embeddings": 128, "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "hidden_act": "silu",
+    "tie_word_embeddings": False, "attention_bias": False, "use_sliding_window": False, "sliding_window": None,
+    "rope_scaling": None, "attention_dropout": 0.0, "block_size": 4, "mask_token_id": MASK, "eos_token_id": EOS,
+    "pad_token_id": PAD,
+}
