@@ -1,4 +1,5 @@
-"""Bad checkpoints and bad arguments: one clear error naming what was wrong, never a random weight."""
+"""Bad checkpoints and bad arguments: one clear error naming what was wrong, never a random weight. (Missing
+and unexpected tensors are every family's contract: tests/models/test_family_contract.py.)"""
 
 from __future__ import annotations
 
@@ -76,20 +77,6 @@ def test_config_that_is_not_json(llada_dir):
 def test_bad_config(llada_dir, changes, error, message):
     edit_config(llada_dir, **changes)
     with pytest.raises(error, match=message):
-        dlmrt.load(llada_dir)
-
-
-def test_missing_tensor(llada_dir):
-    edit_weights(llada_dir, lambda s: s.pop("model.transformer.blocks.1.up_proj.weight"))
-    with pytest.raises(CheckpointError,
-                       match=r"missing tensor 'model.transformer.blocks.1.up_proj.weight' \(shape \[48, 32\]"):
-        dlmrt.load(llada_dir)
-
-
-def test_unexpected_tensor(llada_dir):
-    edit_weights(llada_dir, lambda s: s.update({"model.transformer.blocks.0.extra.weight": torch.zeros(2)}))
-    with pytest.raises(CheckpointError,
-                       match=r"unexpected tensor 'model.transformer.blocks.0.extra.weight' in model.safetensors"):
         dlmrt.load(llada_dir)
 
 

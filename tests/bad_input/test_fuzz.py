@@ -5,7 +5,7 @@ comes out (through the CLI: exit status 2 and one `Error:` line). Any other exce
 test, and so does a case that runs past CASE_SECONDS (a hang). The seed is fixed (`derandomize`),
 so CI tries the same cases each run; DLMRT_FUZZ_EXAMPLES raises the budget for a longer hunt:
 
-    DLMRT_FUZZ_EXAMPLES=1000 pytest tests/cli/test_fuzz.py
+    DLMRT_FUZZ_EXAMPLES=1000 pytest tests/bad_input/test_fuzz.py
 """
 
 from __future__ import annotations
