@@ -93,16 +93,8 @@ class MaskBatch(RunningBatch):
         bucket = Bucket(batch=batch, canvas=canvas, block=key.block_length, guided=key.cfg_scale > 0,
                         cached=key.cache != "none")
         column = canvas - right
-        old = self.state
-        self.state = self.backend.prepare(bucket, owner=self) if old is None or bucket != old.bucket else old
-        if old is None or not self.rows:
-            self.state.reset(key.cfg_scale)
-        else:
-            self.state.take_rows(old, [row.slot for row in self.rows], column - self.column)
-        if old is not None and old is not self.state:
-            self.backend.release(old)
-        for slot, row in enumerate(self.rows):
-            row.slot = slot
+        self._enter(bucket, lambda state: state.reset(key.cfg_scale),
+                    lambda state, old, slots: state.take_rows(old, slots, column - self.column))
         self.column = column
 
     # -- one block ----------------------------------------------------------------------------------

@@ -160,6 +160,21 @@ class RunningBatch(ABC):
     def _place(self, joining: Sequence[Row]) -> None:
         """Move the batch to a bucket that holds its rows and `joining`, and place `joining` in free slots."""
 
+    def _enter(self, bucket: Any, reset: Callable[[Any], None],
+               take_rows: Callable[[Any, Any, list[int]], None]) -> None:
+        """Make `bucket`'s state the batch's: emptied (`reset(state)`) when no row runs, else holding the
+        running rows, taken from the state they were in (`take_rows(state, old, slots)`) to slots 0, 1, ..."""
+        old = self.state
+        self.state = old if old is not None and old.bucket == bucket else self.backend.prepare(bucket, owner=self)
+        if old is None or not self.rows:
+            reset(self.state)
+        else:
+            take_rows(self.state, old, [row.slot for row in self.rows])
+        if old is not None and old is not self.state:
+            self.backend.release(old)
+        for slot, row in enumerate(self.rows):
+            row.slot = slot
+
     def _place_waiting(self) -> None:
         """The waiting rows join, in order, while the batch and the largest bucket hold them."""
         joining = []

@@ -6,6 +6,7 @@ Design notes: docs/runtime-modules.md#uniform_noise.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from torch import Tensor
 from dlmrt.export.models.denoiser import LayerGroupKV
 from dlmrt.plugins.entropy_bound import pad_after_eos, temperature_schedule
 from dlmrt.runtime.device_state import Bucket
+from dlmrt.runtime.uniform_state import UniformState
 from dlmrt.runtime.uniform_step import UNIFORM_STEP
 from dlmrt.runtime.running_batch import BlockOutcome, Row, RunningBatch
 from dlmrt.runtime.settings import GenerationSettings
@@ -40,6 +42,10 @@ class UniformBatch(RunningBatch):
     @property
     def stop_ids(self) -> tuple[int, ...]:
         return self.spec.eos_ids
+
+    @functools.cached_property
+    def _eos_ids(self) -> Tensor:
+        return torch.tensor(self.spec.eos_ids, dtype=torch.long, device=self.spec.device)
 
     def check_call(self, prompts: Sequence[Sequence[int]], settings: GenerationSettings) -> None:
         self.backend.ladder.batch_for(len(prompts))
@@ -72,24 +78,12 @@ class UniformBatch(RunningBatch):
         target, state = self._bucket_for([*self.rows, *joining]), self.state
         if (state is None or not self.rows or target.batch != state.bucket.batch
                 or target.prompt > state.bucket.prompt or target.blocks > state.bucket.blocks):
-            self._move(target)
+            self._enter(target, UniformState.reset, UniformState.take_rows)
         free = sorted(set(range(self.state.bucket.batch)) - {row.slot for row in self.rows})
         for row, slot in zip(joining, free):
             row.slot = slot
         self._encode_prompts(joining)
 
-    def _move(self, bucket: Bucket) -> None:
-        """Put the batch in `bucket`; running rows move with it, to slots 0, 1, ..."""
-        old = self.state
-        self.state = self.backend.prepare(bucket, owner=self) if old is None or bucket != old.bucket else old
-        if old is None or not self.rows:
-            self.state.reset()
-        elif self.state is not old:
-            self.state.take_rows(old, [row.slot for row in self.rows])
-        if old is not None and old is not self.state:
-            self.backend.release(old)
-        for slot, row in enumerate(self.rows):
-            row.slot = slot
 
     def _encode_prompts(self, joining: Sequence[UniformRow]) -> None:
         """The encoder's K/V of the joining rows' left-padded prompts, written to their prompt regions.
@@ -142,8 +136,7 @@ class UniformBatch(RunningBatch):
         stopping = {row.slot for row in self.rows if not row.settings.ignore_eos and self.eos}
         stops = torch.zeros(state.bucket.batch, dtype=torch.bool)
         stops[list(stopping)] = True
-        cut = pad_after_eos(state.argmax, torch.tensor(self.spec.eos_ids, dtype=torch.long, device=device), pad,
-                            state.finished)
+        cut = pad_after_eos(state.argmax, self._eos_ids, pad, state.finished)
         plain = state.argmax.masked_fill(state.finished[:, None], pad)  # padding rows took no step: not -1
         self._tokens = torch.where(stops.to(device)[:, None], cut, plain)
         host = torch.cat((self._tokens, state.forwards[:, None]), dim=1).tolist()  # the one host read a block
@@ -176,7 +169,7 @@ class UniformBatch(RunningBatch):
         """Move the rows still running to a smaller bucket once they fit one."""
         target = self._bucket_for(self.rows)
         if target.batch < self.state.bucket.batch:
-            self._move(target)
+            self._enter(target, UniformState.reset, UniformState.take_rows)
 
     def _generated_tokens(self, settled: list[int], reason: str) -> int:
         return len(completion(settled, self.spec.eos_ids)) + (reason == "eos")  # the first EOS is decoded too

@@ -156,7 +156,7 @@ class UniformState(StaticBuffers):
     def take_rows(self, source: UniformState, rows: Sequence[int]) -> None:
         """Fill this bucket with `rows` of `source`, in that order, each row's cache storage moved by
         the difference of the prompt regions (so that its blocks' slots stay `slot(block)`); the other
-        rows become padding."""
+        rows become padding. `source` is another bucket's state (this one is emptied first)."""
         index = torch.tensor(list(rows), dtype=torch.long, device=self.block_ids.device)
         count, shift = len(rows), self.bucket.prompt - source.bucket.prompt
         self.reset()
