@@ -9,6 +9,7 @@ import pytest
 
 from dlmrt.export import checkpoint
 from helpers import LLADA, LLADA2, ORL, Loop, config, random_model
+from shared_exports import SharedExports
 
 STEPS_PER_SYNC = (1, 4, "block")
 # torch.compile's artifacts, shared by the session's tests and kept out of the user's cache.
@@ -61,10 +62,13 @@ def saved_model(tmp_path, family_config):
 
 
 @pytest.fixture(scope="session")
-def tiny_export(tmp_path_factory):
-    """The tiny model's step graphs (full and cached), exported once per test session."""
-    import dlmrt
-    from dlmrt.export import onnx_export
+def exports(tmp_path_factory) -> SharedExports:
+    """The session's shared exports, in the base directory every xdist worker's own lies under."""
+    base = tmp_path_factory.getbasetemp()
+    return SharedExports((base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared-exports")
 
-    return onnx_export.export(dlmrt.load(), tmp_path_factory.mktemp("tiny-export") / "tiny", max_batch=8,
-                              max_length=64)
+
+@pytest.fixture(scope="session")
+def tiny_export(exports):
+    """The tiny model's step graphs (full and cached)."""
+    return exports["tiny"]

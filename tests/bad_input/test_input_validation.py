@@ -317,12 +317,9 @@ def test_inspect_reports_every_broken_entry_of_a_store(tiny_export, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def other_export(tmp_path_factory):
+def other_export(exports):
     """Another model's graphs: more layers, other heads."""
-    from dlmrt.export import onnx_export
-
-    other = random_model(config(LLADA, n_layers=3, n_heads=2, n_kv_heads=2), seed=4)
-    return onnx_export.export(other, tmp_path_factory.mktemp("other") / "export", max_batch=8, max_length=64)
+    return exports["other"]
 
 
 def rehashed(tiny_export, tmp_path, replace_graph):

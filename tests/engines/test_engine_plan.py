@@ -210,12 +210,8 @@ def test_fp4_blocks_must_be_16(tmp_path, tiny_export):
     assert not any("block_size" in problem for problem in problems), problems
 
 
-def test_an_orl_export_needs_both_plugins_and_passes_preflight(tmp_path):
-    from dlmrt.export import onnx_export
-    from helpers import LLADA, ORL, config, random_model
-
-    export_dir = onnx_export.export(random_model(config(LLADA, residual_context=ORL), seed=3), tmp_path / "orl",
-                                    max_batch=4, max_length=32)
+def test_an_orl_export_needs_both_plugins_and_passes_preflight(exports, tmp_path):
+    export_dir = exports["orl"]
     plan = plan_for(export_dir, tmp_path, graphs=("full",))
     assert plan.plugins == [{"name": "ParallelUnmask", "namespace": "dlmrt", "version": "2"},
                             {"name": "ResidualContext", "namespace": "dlmrt", "version": "1"}]

@@ -32,13 +32,14 @@ from dlmrt.runtime import EntropyBound, GenerationSettings, Generator, Threshold
 from dlmrt.runtime.exported_model import ExportedModel  # noqa: E402
 from dlmrt.runtime.uniform_state import encoder_inputs, zero_cache  # noqa: E402
 from dlmrt.runtime.ort_backend import OrtBackend  # noqa: E402
+from shared_exports import SHARED_EXPORTS  # noqa: E402
 
 DATA = Path(__file__).parents[1] / "data"
 MODEL_DIR = DATA / "diffusion_gemma"
 EXPECTED = load_file(str(MODEL_DIR / "expected.safetensors"))
 SELF_CONDITIONING_TEMPERATURE = json.loads((MODEL_DIR / "expected.json").read_text())["self_conditioning_temperature"]
 TOLERANCE = 1e-4  # float32
-MAX_BATCH, MAX_LENGTH = 4, 48
+MAX_BATCH, MAX_LENGTH = (SHARED_EXPORTS["diffusion_gemma"].options[name] for name in ("max_batch", "max_length"))
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19, 20]]  # left-padded to 9 in the batch
 
 
@@ -54,9 +55,8 @@ def model():
 
 
 @pytest.fixture(scope="module")
-def exported(model, tmp_path_factory) -> Path:
-    return onnx_export.export(model, tmp_path_factory.mktemp("exports") / "diffusion_gemma", max_batch=MAX_BATCH,
-                              max_length=MAX_LENGTH)
+def exported(exports) -> Path:
+    return exports["diffusion_gemma"]
 
 
 @pytest.fixture(scope="module")
@@ -266,11 +266,9 @@ TINY = Path(__file__).parents[2] / "dlmrt" / "assets" / "tiny-diffusion-gemma"
 
 
 @pytest.fixture(scope="module")
-def trained_export(tmp_path_factory):
+def trained_export(exports):
     """(model, export directory) of the DiffusionGemma-shaped model trained on the task suite."""
-    model = checkpoint.load(TINY)
-    return model, onnx_export.export(model, tmp_path_factory.mktemp("trained") / "tiny-diffusion-gemma",
-                                     max_batch=16, max_length=48)
+    return checkpoint.load(TINY), exports["tiny_diffusion_gemma"]
 
 
 @pytest.mark.slow

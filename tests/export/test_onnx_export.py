@@ -18,7 +18,8 @@ from dlmrt.export.export_manifest import MANIFEST_FILE, ExportLimits, ExportMani
 from dlmrt.runtime import (  # noqa: E402
     CACHE_MODES, Factor, Fixed, GenerationSettings, Generator, LLaDA2, ResidualPolicy, Threshold, text)
 from dlmrt.runtime.ort_backend import OrtBackend  # noqa: E402
-from helpers import LLADA, LLADA2, ORL, config, random_model  # noqa: E402
+from helpers import LLADA, LLADA2, random_model  # noqa: E402
+from shared_exports import SHARED_EXPORTS  # noqa: E402
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19, 20]]
 POLICIES = [Fixed(12), Fixed(6), Fixed(12, "random"), Threshold(0.3), Threshold(0.3, "margin"),
@@ -26,14 +27,9 @@ POLICIES = [Fixed(12), Fixed(6), Fixed(12, "random"), Threshold(0.3), Threshold(
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory):
+def exported(exports):
     """(torch model, export directory) for the tiny model and random llada configs, ORL among them."""
-    models = {"tiny": dlmrt.load(), "llada": random_model(LLADA),
-              "orl": random_model(config(LLADA, residual_context=ORL), seed=3), "llada2": random_model(LLADA2)}
-    root = tmp_path_factory.mktemp("exports")
-    return {name: (model, onnx_export.export(model, root / name, max_batch=8, max_length=48, block_length=4,
-                                             guidance=name != "tiny"))
-            for name, model in models.items()}
+    return {name: (SHARED_EXPORTS[name].model(), exports[name]) for name in ("tiny", "llada", "orl", "llada2")}
 
 
 # Greedy, sampled and guided: what the graph's inputs carry besides the policy's numbers.

@@ -26,11 +26,9 @@ def prompts(orl):
 
 
 @pytest.fixture(scope="module")
-def orl_export(orl, tmp_path_factory):
+def orl_export(exports):
     pytest.importorskip("onnxruntime", reason="the ONNX path needs the 'onnx' extra")
-    from dlmrt.export import onnx_export
-
-    return onnx_export.export(orl, tmp_path_factory.mktemp("orl-export") / "orl", max_batch=8, max_length=64)
+    return exports["tiny_orl"]
 
 
 def test_it_is_the_tiny_model_with_a_residual_pathway(orl):

@@ -232,14 +232,12 @@ def test_public_generate_tokens_match_the_llada2_policy(cache):
         assert tokens == case["generated"][:case["gen_length"]], case
 
 
-def test_onnx_runtime_gives_the_public_generates_tokens(tmp_path):
-    from dlmrt.export import onnx_export
+def test_onnx_runtime_gives_the_public_generates_tokens(exports):
+    pytest.importorskip("onnxruntime", reason="the ONNX path needs the 'onnx' extra")
     from dlmrt.runtime import GenerationSettings, Generator, LLaDA2
     from dlmrt.runtime.ort_backend import OrtBackend
 
-    export_dir = onnx_export.export(dlmrt.load(PUBLIC_DIR), tmp_path / "export", block_length=4, max_batch=2,
-                                    max_length=64)
-    generator = Generator(OrtBackend(export_dir))
+    generator = Generator(OrtBackend(exports["sdar"]))
     for case in public_cases():
         policy = LLaDA2(threshold=case["confidence_threshold"] or 1.0, steps=case["steps_per_block"])
         for cache in ("none", "prefix"):

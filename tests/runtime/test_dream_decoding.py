@@ -67,9 +67,8 @@ def test_compiled_step_gives_the_public_tokens(dream_model):
 
 
 @pytest.fixture(scope="module")
-def dream_export(dream_model, tmp_path_factory):
-    from dlmrt.export import onnx_export
-    return onnx_export.export(dream_model, tmp_path_factory.mktemp("dream-export"), max_batch=4, max_length=64)
+def dream_export(exports):
+    return exports["dream"]
 
 
 def test_onnx_runtime_gives_the_public_tokens(dream_export):

@@ -101,10 +101,8 @@ def test_compiled_step_gives_the_public_tokens(public_model, mode):
 
 
 @pytest.fixture(scope="module")
-def public_export(public_model, tmp_path_factory):
-    from dlmrt.export import onnx_export
-    return onnx_export.export(public_model, tmp_path_factory.mktemp("llada21-export"), block_length=4,
-                              max_batch=4, max_length=64)
+def public_export(exports):
+    return exports["llada21"]
 
 
 @pytest.mark.parametrize("cache", ["none", "prefix"])
