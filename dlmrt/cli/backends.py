@@ -10,6 +10,9 @@ import click
 from dlmrt import TINY_MODEL_DIR
 from dlmrt.cli.errors import require_onnx_extra, require_trt_extra
 
+# What --backend opens: the torch step loop, the exported graphs in ONNX Runtime, TensorRT's engines.
+BACKENDS = ("torch", "ort", "trt")
+
 
 def resolve_device(backend: str, device: str) -> str:
     """--device for --backend: auto is the GPU where the backend can run on one."""

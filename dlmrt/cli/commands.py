@@ -17,7 +17,7 @@ from dlmrt.cli.types import FLOAT32, LENGTH
 from dlmrt.cli.bench import bench_command
 from dlmrt.cli.serve import serve_command
 from dlmrt.cli.engines import build_command, inspect_command
-from dlmrt.cli.backends import open_backend
+from dlmrt.cli.backends import BACKENDS, open_backend
 from dlmrt.runtime.policy_registry import LLADA21_PRESETS, POLICIES
 
 if TYPE_CHECKING:
@@ -187,7 +187,7 @@ def backend_options(command):
 @decoding_options
 @click.option("--ignore-eos", is_flag=True,
               help="Decode the full length after end-of-sequence, as the research scripts do.")
-@click.option("--backend", type=click.Choice(("torch", "ort", "trt", "reference")), default="torch",
+@click.option("--backend", type=click.Choice((*BACKENDS, "reference")), default="torch",
               show_default=True,
               help="torch: the step loop in PyTorch (see --mode); ort: the exported ONNX step graphs in ONNX Runtime "
                    "(--model is an export directory, or a model directory exported on first use); trt: the "
@@ -366,7 +366,7 @@ def print_update(model, update, batch_size, as_json):
                    "factor:factor=2, llada2:threshold=0.9,steps=8. Repeat for a grid [default: fixed at 1, "
                    "1/2 and 1/4 token per step, threshold 0.5-0.99, factor 1, 2, 4, 8].")
 @eval_decoding_options
-@click.option("--backend", type=click.Choice(("torch", "ort", "trt")), default="torch", show_default=True,
+@click.option("--backend", type=click.Choice(BACKENDS), default="torch", show_default=True,
               help="torch: the step loop in PyTorch (see --mode); ort: the exported graphs in ONNX Runtime (--model "
                    "an export, or a model directory exported on first use); trt: the TensorRT engines stored for "
                    "this GPU (--model the export they were built from).")

@@ -6,13 +6,14 @@ from pathlib import Path
 
 import click
 
+from dlmrt.cli.backends import BACKENDS
 from dlmrt.cli.errors import reports_errors
 
 
 @click.command("serve")
 @click.option("--model", "model_dir", type=click.Path(path_type=Path), default=None,
               help="A model directory, or an export for --backend ort/trt [default: the tiny model].")
-@click.option("--backend", type=click.Choice(("torch", "ort", "trt")), default="torch", show_default=True)
+@click.option("--backend", type=click.Choice(BACKENDS), default="torch", show_default=True)
 @click.option("--mode", type=click.Choice(("auto", "eager", "compile", "cudagraph")), default="auto",
               show_default=True, help="torch backend: how the steps run. auto: CUDA graphs on a GPU, eager on a CPU "
                                       "(compile stalls the running batch while each new batch shape compiles).")

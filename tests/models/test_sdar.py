@@ -17,6 +17,7 @@ from dlmrt.export import checkpoint, models
 from dlmrt.export.models import PastKV, SpecialTokens
 
 from qwen_testing import FIRST_WORD, SDAR, TOKENS, check, left_padded, make_model, random_ids
+from recorded import recorded
 from sdar_reference import sdar_forward
 
 PUBLIC_DIR = Path(__file__).parents[1] / "data" / "sdar"
@@ -210,37 +211,12 @@ def test_public_checkpoint_logits_match_the_public_model():
     torch.testing.assert_close(logits, expected["logits"], atol=1e-4, rtol=0)
 
 
-def public_cases() -> list[dict]:
-    return json.loads((PUBLIC_DIR / "expected.json").read_text())["cases"]
-
-
 @pytest.mark.parametrize("cache", ["none", "prefix"])
 def test_public_generate_tokens_match_the_llada2_policy(cache):
-    """The public generate's rule per step (n_k from the schedule over the block length; every masked
-    position with p > threshold if at least n_k, else the n_k most confident) is dlmrt's `llada2`
-    policy; its low_confidence_static strategy is that rule with no threshold (1.0: nothing is above)."""
+    """The public generate is dlmrt's `llada2` policy (recorded.sdar_settings says why); it also decodes
+    the rest of the last block, and dlmrt returns gen_length tokens."""
     from dlmrt.runtime.generator import Generator
-    from dlmrt.runtime.policies import LLaDA2
-    from dlmrt.runtime.settings import GenerationSettings
 
     generator = Generator(dlmrt.load(PUBLIC_DIR), mode="eager")
-    for case in public_cases():
-        policy = LLaDA2(threshold=case["confidence_threshold"] or 1.0, steps=case["steps_per_block"])
-        settings = GenerationSettings(case["gen_length"], 4, policy, ignore_eos=True, cache=cache)
-        tokens = generator.generate([case["prompt"]], settings).tokens[0].tolist()
-        # the public generate also decodes the rest of the last block; dlmrt returns gen_length tokens
-        assert tokens == case["generated"][:case["gen_length"]], case
-
-
-def test_onnx_runtime_gives_the_public_generates_tokens(exports):
-    pytest.importorskip("onnxruntime", reason="the ONNX path needs the 'onnx' extra")
-    from dlmrt.runtime import GenerationSettings, Generator, LLaDA2
-    from dlmrt.runtime.ort_backend import OrtBackend
-
-    generator = Generator(OrtBackend(exports["sdar"]))
-    for case in public_cases():
-        policy = LLaDA2(threshold=case["confidence_threshold"] or 1.0, steps=case["steps_per_block"])
-        for cache in ("none", "prefix"):
-            settings = GenerationSettings(case["gen_length"], 4, policy, ignore_eos=True, cache=cache)
-            assert generator.generate([case["prompt"]], settings).tokens[0].tolist() == \
-                case["generated"][:case["gen_length"]], case
+    for case in recorded("sdar", "llada2", cache):
+        assert case.found(generator.generate([case.prompt], case.settings)) == case.tokens, case.name

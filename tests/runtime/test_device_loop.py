@@ -1,10 +1,9 @@
-"""The step loop on the device: padded buckets give the unpadded tokens, the K-step function compiles
-without a graph break, the host reads the device once per K steps, the compiled mode gives the eager
-tokens, and bad modes, limits and failures get one clear error."""
+"""The step loop on the device: padded buckets give the unpadded tokens, the host reads the device once
+per K steps, and bad modes, limits and failures get one clear error. That the compiled step (one graph,
+fullgraph=True) gives the eager tokens is the parity matrix's compile column (test_parity_matrix.py)."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import sys
 import threading
@@ -15,9 +14,9 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from dlmrt.core.errors import ArgumentError
-from dlmrt.runtime import Factor, Fixed, GenerationSettings, Generator, LLaDA2, Threshold, reference
+from dlmrt.runtime import Factor, Fixed, GenerationSettings, Generator, LLaDA2, Threshold
 from dlmrt.runtime.torch_backend import TorchBackend
-from helpers import EOSAt, interpret_cases, run_in_interpreter
+from helpers import interpret_cases, run_in_interpreter
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19, 20]]
 
@@ -58,41 +57,6 @@ def test_rows_alone_give_their_batched_tokens_with_sampling_and_orl(orl):
         alone = Generator(orl, mode="eager").generate([prompt], GenerationSettings(
             12, 4, Threshold(0.3), cache="dual", temperature=0.8, seed=2 + row, ignore_eos=True)).rows[0]
         assert alone.token_ids == batched[row].token_ids
-
-
-# -- no graph breaks ----------------------------------------------------------------------------------
-class FullGraphProbe(TorchBackend):
-    """Runs each K-step runner (the executor's eager loop over K steps) compiled with fullgraph=True by
-    dynamo and AOT autograd (the `aot_eager` backend: the same tracing as inductor's, without its code
-    generation)."""
-
-    def __init__(self, model):
-        super().__init__(model, mode="eager")
-
-    def around_steps(self, run):
-        compiled = torch.compile(run, fullgraph=True, dynamic=False, backend="aot_eager")
-
-        def probe():  # dynamo keeps one graph per bucket, kind and K for the one K-step function
-            with torch._dynamo.config.patch(recompile_limit=1024, accumulated_recompile_limit=1024):
-                compiled()
-        return probe
-
-
-FULLGRAPH_CASES = [
-    ("llada", "none", 0.0, 0.0), ("llada", "prefix", 1.5, 0.0), ("llada", "dual", 0.0, 0.8),
-    ("orl", "dual", 1.5, 0.8), ("orl", "prefix", 0.0, 0.0),
-    ("llada2", "none", 0.0, 0.8), ("llada2", "prefix", 1.0, 0.0), ("llada2_orl", "prefix", 0.0, 0.8),
-]
-
-
-@pytest.mark.parametrize("model_name, cache, cfg_scale, temperature", FULLGRAPH_CASES)
-def test_the_k_step_function_compiles_without_a_graph_break(request, model_name, cache, cfg_scale, temperature):
-    """fullgraph=True raises on any graph break: a host read or data-dependent Python control flow."""
-    model = request.getfixturevalue(model_name)
-    settings = GenerationSettings(8, 4, Threshold(0.3), cache=cache, cfg_scale=cfg_scale, temperature=temperature,
-                                  seed=1, ignore_eos=True, steps_per_sync=2)
-    probe = Generator(FullGraphProbe(model)).generate(PROMPTS[:2], settings)
-    assert torch.equal(probe.tokens, tokens(model, settings, PROMPTS[:2], mode="eager"))
 
 
 # -- host reads -------------------------------------------------------------------------------------
@@ -156,32 +120,6 @@ def test_a_large_k_runs_no_op_steps_and_changes_no_token():
     assert torch.equal(one.tokens, whole.tokens)
     assert one.metrics.nfe == whole.metrics.nfe == one.metrics.forwards_executed
     assert whole.metrics.forwards_executed > whole.metrics.nfe  # the confident model ends blocks early
-
-
-# -- the compiled mode gives the eager tokens -----------------------------------------------------------------
-# K steps between host reads change only the host loop, the same in every mode (the eager loop is held to
-# the reference at K = 1, 4 and a whole block): the cases alternate K instead of crossing it.
-COMPILE_CASES = [
-    ("llada", GenerationSettings(12, 4, Fixed(12), ignore_eos=True), "reference", 1),
-    ("orl", GenerationSettings(12, 4, Threshold(0.3), cache="dual", temperature=0.8, seed=3), None, "block"),
-    ("llada", GenerationSettings(12, 4, Fixed(12), cache="prefix", cfg_scale=1.5, ignore_eos=True), None, 1),
-    ("llada2", GenerationSettings(12, 4, LLaDA2(0.3, 4), cache="prefix"), None, "block"),
-    ("eos", GenerationSettings(8, 4, Fixed(8)), None, 1),
-    ("eos", GenerationSettings(8, 4, Fixed(8)), None, "block"),
-]
-
-
-@pytest.mark.parametrize("model_name, settings, oracle, k", COMPILE_CASES, ids=[
-    "fixed-1", "orl-dual-sampled-block", "guided-prefix-1", "llada2-exact-block", "eos-1", "eos-block"])
-def test_compile_gives_the_eager_tokens(request, llada, model_name, settings, oracle, k):
-    model = EOSAt(llada, 9, 1) if model_name == "eos" else request.getfixturevalue(model_name)
-    settings = dataclasses.replace(settings, steps_per_sync=settings.block_length if k == "block" else k)
-    compiled = Generator(model, mode="compile").generate(PROMPTS, settings)
-    eager = Generator(model, mode="eager").generate(PROMPTS, settings)
-    assert torch.equal(compiled.tokens, eager.tokens)
-    assert compiled.metrics.nfe == eager.metrics.nfe and compiled.metrics.compile_s > 0
-    if oracle == "reference":
-        assert torch.equal(compiled.tokens, reference.generate(model, PROMPTS, settings).tokens)
 
 
 # -- bad input ---------------------------------------------------------------------------------------------

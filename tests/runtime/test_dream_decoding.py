@@ -1,5 +1,5 @@
-"""Dream's decoding (policy `dream`) against the public `diffusion_generate`, and the Dream family on
-every backend and cache mode.
+"""Dream's decoding (policy `dream`) against the public `diffusion_generate` in the eager loop at every
+K; on the other backends and modes, the parity matrix (test_parity_matrix.py) holds it to the same.
 
 The expected tokens are what the public Dream code's own `diffusion_generate` returned at temperature
 0 on a random checkpoint that code wrote (`tests/data/make_dream.py`, recorded in
@@ -8,7 +8,6 @@ The expected tokens are what the public Dream code's own `diffusion_generate` re
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -16,26 +15,15 @@ import torch
 
 import dlmrt
 from dlmrt.core.errors import ArgumentError
-from dlmrt.runtime import CACHE_MODES, Dream, GenerationSettings, Generator, Threshold
+from dlmrt.runtime import Dream, GenerationSettings, Generator, Threshold
 from dlmrt.runtime.policies import dream_schedule
-from helpers import Loop
+from recorded import DREAM, dream_name, dream_settings
 
 DATA = Path(__file__).parents[1] / "data" / "dream"
-PUBLIC = json.loads((DATA / "expected.json").read_text())
-CASES = PUBLIC["cases"]
-EPS = PUBLIC["settings"]["eps"]
-# Dream's algorithms and the confidence measures they are in dlmrt
-ALGORITHMS = {"maskgit_plus": "prob", "topk_margin": "margin", "entropy": "entropy"}
+CASES = DREAM["cases"]
+EPS = DREAM["settings"]["eps"]
 PROMPTS = [[5, 17, 42], [3, 9, 22, 31, 8], [40, 2]]
-
-
-def case_id(case: dict) -> str:
-    return f"p{len(case['prompt'])}-g{case['gen_length']}-s{case['steps']}-{case['alg']}"
-
-
-def settings_of(case: dict, **extra) -> GenerationSettings:
-    policy = Dream(case["steps"], EPS, ALGORITHMS[case["alg"]])
-    return GenerationSettings(case["gen_length"], case["gen_length"], policy, ignore_eos=True, **extra)
+case_id, settings_of = dream_name, dream_settings
 
 
 @pytest.fixture(scope="module")
@@ -58,34 +46,6 @@ def test_the_schedule_is_dreams_float32_floor():
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_tokens_of_the_public_diffusion_generate(dream_model, loop, case):
     assert loop.run(dream_model, [case["prompt"]], settings_of(case)).tokens[0].tolist() == case["generated"]
-
-
-def test_compiled_step_gives_the_public_tokens(dream_model):
-    loop = Loop("compile", 4)
-    for case in [c for c in CASES if len(c["prompt"]) == 3 and c["gen_length"] == 8]:  # one canvas
-        assert loop.run(dream_model, [case["prompt"]], settings_of(case)).tokens[0].tolist() == case["generated"]
-
-
-@pytest.fixture(scope="module")
-def dream_export(exports):
-    return exports["dream"]
-
-
-def test_onnx_runtime_gives_the_public_tokens(dream_export):
-    from dlmrt.runtime.ort_backend import OrtBackend
-    generator = Generator(OrtBackend(dream_export))
-    for case in CASES:
-        assert generator.generate([case["prompt"]], settings_of(case)).tokens[0].tolist() == case["generated"], \
-            case_id(case)
-
-
-@pytest.mark.parametrize("cache", CACHE_MODES)
-@pytest.mark.parametrize("policy", [Threshold(0.2), Dream(12, confidence="margin")], ids=["threshold", "dream"])
-def test_onnx_runtime_gives_the_torch_tokens_in_blocks_and_batches(dream_model, dream_export, cache, policy):
-    from dlmrt.runtime.ort_backend import OrtBackend
-    settings = GenerationSettings(12, 4, policy, cache=cache, ignore_eos=True)
-    torch_tokens = Generator(dream_model, mode="eager").generate(PROMPTS, settings).tokens
-    assert torch.equal(Generator(OrtBackend(dream_export)).generate(PROMPTS, settings).tokens, torch_tokens)
 
 
 def test_blocks_and_batches_decode_each_row_as_alone(dream_model, loop):

@@ -22,28 +22,14 @@ from safetensors.torch import load_file
 import dlmrt
 from dlmrt.core.errors import ArgumentError
 from dlmrt.runtime import GenerationSettings, Generator, LLaDA21, Threshold, make_policy
-from helpers import TOKENS, Loop
+from helpers import TOKENS
+from recorded import LLADA21, llada21_name, llada21_settings, until_eos
 
 DATA = Path(__file__).parents[1] / "data"
-PUBLIC = json.loads((DATA / "llada21" / "expected.json").read_text())
+PUBLIC = LLADA21
 CASES = PUBLIC["cases"]
 EDITING_CASES = [c for c in CASES if c["editing_threshold"] < 1]
-PUBLIC_EOS = PUBLIC["eos_id"]
-
-
-def case_id(case: dict) -> str:
-    return (f"p{len(case['prompt'])}-g{case['gen_length']}-t{case['threshold']}-e{case['editing_threshold']}"
-            f"-m{case['max_post_steps']}")
-
-
-def until_eos(tokens: list[int], eos: int = PUBLIC_EOS) -> list[int]:
-    """The public generate returns its output up to and including the first EOS; dlmrt's completion excludes it."""
-    return tokens[:tokens.index(eos)] if eos in tokens else tokens
-
-
-def settings_of(case: dict, *, editing: bool = True, **extra) -> GenerationSettings:
-    policy = LLaDA21(case["threshold"], case["editing_threshold"] if editing else 1.0, case["max_post_steps"])
-    return GenerationSettings(case["gen_length"], case["block_length"], policy, **extra)
+case_id, settings_of = llada21_name, llada21_settings
 
 
 @pytest.fixture(scope="module")
@@ -90,28 +76,6 @@ def test_the_block_cache_gives_the_public_tokens(public_model, cache):
     for case in EDITING_CASES:
         got = generator.generate([case["prompt"]], settings_of(case, cache=cache)).rows[0].token_ids
         assert got == until_eos(case["tokens"]), case_id(case)
-
-
-@pytest.mark.parametrize("mode", ["compile"])
-def test_compiled_step_gives_the_public_tokens(public_model, mode):
-    loop = Loop(mode, 4)
-    for case in [c for c in EDITING_CASES if len(c["prompt"]) == 6][:4]:  # one canvas: one compilation
-        assert loop.run(public_model, [case["prompt"]], settings_of(case)).rows[0].token_ids == \
-            until_eos(case["tokens"]), case_id(case)
-
-
-@pytest.fixture(scope="module")
-def public_export(exports):
-    return exports["llada21"]
-
-
-@pytest.mark.parametrize("cache", ["none", "prefix"])
-def test_onnx_runtime_gives_the_public_tokens(public_export, cache):
-    from dlmrt.runtime.ort_backend import OrtBackend
-    generator = Generator(OrtBackend(public_export))
-    for case in EDITING_CASES:
-        got = generator.generate([case["prompt"]], settings_of(case, cache=cache)).rows[0]
-        assert got.token_ids == until_eos(case["tokens"]), case_id(case)
 
 
 # -- against a reference of our own ----------------------------------------------------------------
