@@ -30,28 +30,15 @@ from dlmrt.core import limits
 from dlmrt.core.errors import UnsupportedFeatureError
 from dlmrt.export.models import config as config_parsing
 from dlmrt.export.models.denoiser import DenoiserOutput
-from dlmrt.export.models.qwen import QwenDenoiser, parameter_count
+from dlmrt.export.models import qwen
+from dlmrt.export.models.qwen import QwenConfig, QwenDenoiser, parameter_count
 
 __all__ = ["Dream", "DreamConfig", "parse_config", "parameter_count"]
 
 
-@dataclass(frozen=True)
-class DreamConfig:
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    vocab_size: int
-    num_key_value_heads: int | None = None  # None: as many as the query heads (the public default)
+@dataclass(frozen=True, kw_only=True)
+class DreamConfig(QwenConfig):
     head_dim: int | None = None
-    max_position_embeddings: int = 32768
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    tie_word_embeddings: bool = False
-
-    @property
-    def kv_heads(self) -> int:
-        return self.num_key_value_heads if self.num_key_value_heads is not None else self.num_attention_heads
 
     @property
     def dim_per_head(self) -> int:
@@ -63,12 +50,7 @@ class DreamConfig:
 
 
 # Config values that select architecture variants dlmrt does not implement.
-SUPPORTED_FEATURES = {
-    "use_sliding_window": (False,),
-    "rope_scaling": (None,),
-    "hidden_act": ("silu",),
-    "partial_rotary_factor": (1.0, 1),
-}
+SUPPORTED_FEATURES = qwen.SUPPORTED_FEATURES
 
 
 def parse_config(raw: dict, source: str) -> DreamConfig:

@@ -4,13 +4,13 @@ RMSNorm, SwiGLU, full rotary embeddings (rotate_half) and GQA, under the public 
 tensor names (`model.embed_tokens`, `model.layers.{i}.self_attn.q_proj`, `mlp.gate_proj`,
 `input_layernorm`, `post_attention_layernorm`, `model.norm`, `lm_head`). What differs between
 the families is the attention's options: which projections have biases, and Qwen3's RMSNorm over
-each query and key head. A family's config provides the fields `QwenConfig` names.
+each query and key head. A family's config extends `QwenConfig`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from dataclasses import dataclass
 
 from torch import Tensor, nn
 
@@ -20,22 +20,33 @@ from dlmrt.export.models.layers import PreNormLayer, RMSNorm, SwiGLU, apply_rota
 from dlmrt.export.models.residual import ResidualConfig
 
 
-class QwenConfig(Protocol):
+@dataclass(frozen=True, kw_only=True)
+class QwenConfig:
+    """The config.json fields the Qwen-based families name alike. A family's config adds its own and a
+    `head_size` property, how wide its heads are: Dream derives it, SDAR reads head_dim."""
+
     hidden_size: int
     intermediate_size: int
     num_hidden_layers: int
     num_attention_heads: int
     vocab_size: int
-    max_position_embeddings: int
-    rms_norm_eps: float
-    rope_theta: float
-    tie_word_embeddings: bool
+    num_key_value_heads: int | None = None  # None: as many as the query heads (the public default)
+    max_position_embeddings: int = 32768
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = False
 
     @property
-    def kv_heads(self) -> int: ...
+    def kv_heads(self) -> int:
+        return self.num_key_value_heads if self.num_key_value_heads is not None else self.num_attention_heads
 
-    @property
-    def head_size(self) -> int: ...
+# Config values that select Qwen variants dlmrt does not implement; a family's list adds its own.
+SUPPORTED_FEATURES = {
+    "use_sliding_window": (False,),
+    "rope_scaling": (None,),
+    "hidden_act": ("silu",),
+    "partial_rotary_factor": (1.0, 1),
+}
 
 
 def parameter_count(c: QwenConfig) -> int:

@@ -28,12 +28,13 @@ config.json fields:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dlmrt.core import limits
 from dlmrt.export.models import config as config_parsing
 from dlmrt.export.models.denoiser import SpecialTokens
-from dlmrt.export.models.qwen import QwenDenoiser, parameter_count
+from dlmrt.export.models import qwen
+from dlmrt.export.models.qwen import QwenConfig, QwenDenoiser, parameter_count
 from dlmrt.export.models.residual import ResidualConfig
 
 __all__ = ["SDAR", "SDARConfig", "parse_config", "parameter_count"]
@@ -41,25 +42,12 @@ __all__ = ["SDAR", "SDARConfig", "parse_config", "parameter_count"]
 DEFAULT_BLOCK_SIZE = 4  # the public generate's default block length
 
 
-@dataclass(frozen=True)
-class SDARConfig:
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int | None
+@dataclass(frozen=True, kw_only=True)
+class SDARConfig(QwenConfig):
+    num_key_value_heads: int | None = field()  # required: the public code has no safe default
     head_dim: int
-    vocab_size: int
-    max_position_embeddings: int = 32768
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    tie_word_embeddings: bool = False
     attention_bias: bool = False
     block_size: int = DEFAULT_BLOCK_SIZE
-
-    @property
-    def kv_heads(self) -> int:
-        return self.num_key_value_heads if self.num_key_value_heads is not None else self.num_attention_heads
 
     @property
     def head_size(self) -> int:
@@ -67,13 +55,7 @@ class SDARConfig:
 
 
 # Config values that select architecture variants dlmrt does not implement.
-SUPPORTED_FEATURES = {
-    "rope_scaling": (None,),
-    "use_sliding_window": (False,),
-    "hidden_act": ("silu",),
-    "partial_rotary_factor": (1.0, 1),
-    "num_experts": (None, 0),
-}
+SUPPORTED_FEATURES = {**qwen.SUPPORTED_FEATURES, "num_experts": (None, 0)}
 
 
 def parse_config(raw: dict, source: str) -> SDARConfig:
