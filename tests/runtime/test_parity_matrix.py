@@ -100,14 +100,20 @@ def reference_applies(cell: Cell, index: int) -> bool:
 GREEDY, SAMPLED, GUIDED = (0.0, 0.0), (0.8, 0.0), (0.0, 1.5)  # (temperature, cfg_scale)
 
 
+# In the compile and CUDA-graph columns a subject keeps one variant, so that its cells share their graphs
+# (a graph is per bucket, step kind and variant; the policy's numbers are its inputs). The recorded
+# subjects decode greedily, as the public code did.
+COMPILED_VARIANT = {"llada": GUIDED, "llada-orl": SAMPLED}
+
+
 def variant(cell: Cell, index: int) -> tuple[float, float]:
-    """Greedy, sampled or guided, rotating over the cells: what the step's inputs carry besides the
-    policy's numbers. The eager cells are held to greedy oracles; the shared exports have no guidance
-    graphs, and uniform-noise models no guidance."""
+    """Greedy, sampled or guided: what the step's inputs carry besides the policy's numbers. The eager
+    cells are held to greedy oracles; the shared exports have no guidance graphs, and uniform-noise
+    models no guidance, so ONNX Runtime and TensorRT alternate greedy and sampled."""
     if cell.mode == "eager":
         return GREEDY
-    if cell.backend == "torch" and SUBJECTS[cell.subject].model.noise == "mask":
-        return (GREEDY, SAMPLED, GUIDED)[index % 3]
+    if cell.backend == "torch":
+        return COMPILED_VARIANT.get(cell.subject, GREEDY)
     return (GREEDY, SAMPLED)[index % 2]
 
 
@@ -117,15 +123,17 @@ def steps_per_sync(index: int) -> int:
 
 
 def covering(cells: list[Cell]) -> list[Cell]:
-    """Greedily, the fewest cells in which every subject, policy and cache mode appears, recorded
-    cells first."""
+    """Greedily, the fewest cells in which every subject, policy and cache mode appears; of cells that
+    cover as much, one whose subject and cache mode a chosen cell has (its compiled graphs serve it),
+    then a recorded one."""
     def values(cell: Cell) -> set:
         return {("subject", cell.subject), ("policy", cell.policy), ("cache", cell.cache)}
 
     uncovered, chosen = set().union(*map(values, cells)), []
-    ranked = sorted(cells, key=lambda c: not recorded(SUBJECTS[c.subject].family, c.policy, c.cache))
     while uncovered:
-        best = max(ranked, key=lambda c: len(values(c) & uncovered))
+        compiled = {(c.subject, c.cache) for c in chosen}
+        best = max(cells, key=lambda c: (len(values(c) & uncovered), (c.subject, c.cache) in compiled,
+                                         bool(recorded(SUBJECTS[c.subject].family, c.policy, c.cache))))
         chosen.append(best)
         uncovered -= values(best)
     return chosen
