@@ -45,9 +45,9 @@ step() {  # step NAME LIMIT COMMAND...: run one command, record its outcome and 
     if timeout "$limit" "$@" > "$results/$name.log" 2>&1; then status=passed; else status="failed ($?)"; fi
     printf '%s\t%s\t%s\n' "$name" "$status" "$((SECONDS - started))" >> "$steps"
 }
-step parity-cudagraph 150 "$python" -m pytest -q -p no:cacheprovider tests/test_generator.py --loop-modes cudagraph
-step parity-editing-dream-cudagraph 150 "$python" -m pytest -q -p no:cacheprovider tests/test_llada21.py \
-    tests/test_dream_decoding.py --loop-modes cudagraph -k "public or reference or alone"
+step parity-cudagraph 150 "$python" -m pytest -q -p no:cacheprovider tests/runtime/test_generator.py --loop-modes cudagraph
+step parity-editing-dream-cudagraph 150 "$python" -m pytest -q -p no:cacheprovider tests/runtime/test_llada21.py \
+    tests/runtime/test_dream_decoding.py --loop-modes cudagraph -k "public or reference or alone"
 step latency-eager-cudagraph 150 "$python" scripts/bench_step_latency.py --modes eager,cudagraph \
     --json "$results/latency_eager_cudagraph.json"
 step latency-compile 150 "$python" scripts/bench_step_latency.py --modes compile --json "$results/latency_compile.json"

@@ -193,7 +193,7 @@ def generator_for(subject: str, backend: str, mode: str | None, export_dir: Path
 
 def generator(cell: Cell, exports) -> Generator:
     if cell.mode == "cudagraph" and not torch.cuda.is_available():
-        pytest.skip("CUDA graphs need a CUDA GPU (scripts/gpu_check.sh runs this column)")
+        pytest.skip("CUDA graphs need a CUDA GPU (scripts/gpu_check.sh runs this column, marked gpu)")
     export_dir = exports[SUBJECTS[cell.subject].export] if cell.backend != "torch" else None
     return generator_for(cell.subject, cell.backend, cell.mode, export_dir)
 
@@ -221,7 +221,8 @@ def eager_tokens(subject: str, settings: GenerationSettings) -> torch.Tensor:
     return generator_for(subject, "torch", "eager", None).generate(list(PROMPTS), settings).tokens
 
 
-@pytest.mark.parametrize("cell", CELLS, ids=str)
+@pytest.mark.parametrize("cell", [pytest.param(c, marks=pytest.mark.gpu) if c.mode == "cudagraph" else c
+                                  for c in CELLS], ids=str)
 def test_the_cell_gives_the_oracles_tokens(cell, exports):
     subject, index = SUBJECTS[cell.subject], CELLS.index(cell)
     decoding = generator(cell, exports)
