@@ -124,7 +124,8 @@ def run_case(kernels, case: dict) -> dict:
     """The kernels' outputs for a case, both forms; the two-kernel form also returns its entropies."""
     args = (case["logits"], case["canvas"], case["positions"], RenoiseParams(*case["params"]))
     options = dict(finished=case["finished"], block_v=case["block_v"], block_w=case["block_w"])
-    token_entropy = torch.empty(case["canvas"].shape, dtype=torch.float32)
+    # the kernels' scratch row lives where they run: a CPU one for the interpreter, a CUDA one on the GPU
+    token_entropy = torch.empty(case["canvas"].shape, dtype=torch.float32, device=case["canvas"].device)
     return {"fused=False": kernels.entropy_bound_step(*args, **options, fused=False, token_entropy=token_entropy),
             "fused=True": kernels.entropy_bound_step(*args, **options, fused=True), "token_entropy": token_entropy}
 
@@ -260,9 +261,11 @@ def test_compiled_kernels_on_cuda_match_the_reference(name):
     on_gpu = {key: (tuple(t.cuda() for t in value) if key == "params" else
                     value.cuda() if isinstance(value, torch.Tensor) else value) for key, value in case.items()}
     expected = reference(case)
-    for form, result in run_case(kernels, on_gpu).items():
-        if form != "token_entropy":
-            assert_matches_reference(type(expected)(*(t.cpu() for t in result)), expected)
+    results = run_case(kernels, on_gpu)
+    for form in FORMS:
+        assert_matches_reference(type(expected)(*(t.cpu() for t in results[form])), expected)
+    scaled = case["logits"] / case["params"][0][:, None, None]
+    torch.testing.assert_close(results["token_entropy"].cpu(), entropy(scaled), atol=1e-5, rtol=0)
 
 
 if __name__ == "__main__":
