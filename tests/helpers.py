@@ -134,13 +134,21 @@ class _LoopGenerator:
         return self.inner.stream(prompts, self.loop.settings(settings), **kwargs)
 
 
-_CUDA_COPIES: dict[int, object] = {}
+# id(model) -> (model, its CUDA copy). The model is kept with its copy so that its id cannot pass to
+# another model (a module-scoped fixture's, or a test's wrapper) once it is freed.
+_CUDA_COPIES: dict[int, tuple[object, object]] = {}
 
 
 def _on_cuda(model):
-    if id(model) not in _CUDA_COPIES:
-        _CUDA_COPIES[id(model)] = copy.deepcopy(model).to("cuda")
-    return _CUDA_COPIES[id(model)]
+    """A CUDA copy of `model`, made once per model. A wrapper (EOSAt) stays one: `.to` moves a module in
+    place, and a wrapper hands it to its model, so the copy is moved without taking `.to`'s return value
+    (for a wrapper, its inner model)."""
+    entry = _CUDA_COPIES.get(id(model))
+    if entry is None or entry[0] is not model:
+        moved = copy.deepcopy(model)
+        moved.to("cuda")
+        entry = _CUDA_COPIES[id(model)] = (model, moved)
+    return entry[1]
 
 
 def fresh_module(name: str):
