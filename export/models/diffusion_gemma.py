@@ -38,7 +38,7 @@ Departures from the public code, on purpose:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -264,6 +264,7 @@ class DiffusionGemma(Denoiser):
         self.model.encoder = nn.Module()
         self.model.encoder.language_model = nn.Module()
         self.model.encoder.language_model.layers = _layer_scalars(t.num_hidden_layers)
+        self._device_constants: dict[tuple[Hashable, torch.device], Tensor] = {}  # see _host_constant
 
     # -- the Denoiser contract ------------------------------------------------------------
     def input_embedding(self) -> nn.Embedding:
@@ -288,12 +289,27 @@ class DiffusionGemma(Denoiser):
         return F.embedding(input_ids, weight) * self._embed_scale(weight)
 
     def _embed_scale(self, weight: Tensor) -> Tensor:
-        return torch.tensor(math.sqrt(self.hidden_size), dtype=weight.dtype, device=weight.device)
+        """sqrt(H) in the weights' dtype, on their device."""
+        return self._host_constant(("embed_scale", weight.dtype), weight.device,
+                                   lambda: torch.tensor(math.sqrt(self.hidden_size), dtype=weight.dtype))
+
+    def _host_constant(self, key: Hashable, device: torch.device, make: Callable[[], Tensor]) -> Tensor:
+        """`make()`, a tensor the host computes (so the same numbers on every device), on `device`. Off
+        the CPU a device keeps its copy, made on the model's first call there, so that later calls copy
+        nothing from the host: a captured step (CUDA graphs) may not, and the executor's warm-up is such
+        a first call. A traced or compiled call makes it in the graph, as on the CPU."""
+        if device.type == "cpu" or torch.compiler.is_compiling() or torch.compiler.is_exporting():
+            value = make()
+            return value if value.device == device else value.to(device)
+        if (key, device) not in self._device_constants:
+            self._device_constants[key, device] = make().to(device)
+        return self._device_constants[key, device]
 
     def _run(self, x: Tensor, positions: Tensor, masks: dict[str, Tensor], past: LayerGroupKV | None,
              scalars: Sequence[Tensor]) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
-        tables = {t: rotary(positions, inverse_frequencies(self.config.rope[t], self.config.head_dim(t)))
-                  for t in masks}
+        tables = {t: rotary(positions, self._host_constant(
+            ("inverse_frequencies", t), positions.device,
+            lambda t=t: inverse_frequencies(self.config.rope[t], self.config.head_dim(t)))) for t in masks}
         counters = {SLIDING: 0, FULL: 0}
         window_kv = []
         for layer, scalar in zip(self.model.decoder.layers, scalars):

@@ -9,12 +9,15 @@ sampler in test_entropy_bound.py.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from dlmrt.core.errors import ArgumentError
 from dlmrt.export import checkpoint
@@ -227,6 +230,58 @@ def test_the_trained_tiny_model_decodes_its_tasks_and_each_row_as_alone(trained)
         assert torch.equal(alone.tokens[0], batched.tokens[row])
     right = sum(tasks.is_correct(e, text.decode(model, r.token_ids)) for e, r in zip(examples, batched.rows))
     assert right >= 0.6 * len(examples)  # it measured 77% on 400 held-out prompts (README)
+
+
+class _CaptureChecks(TorchDispatchMode):
+    """Refuses, at the op, what a CUDA graph cannot capture, in a step run on the meta device (no data,
+    and a device apart from the host's): a host read (`.item()`, `.tolist()`, `nonzero`, `unique`) and a
+    host tensor meeting a device one (a copy from the host, or a CPU tensor fed to a device op)."""
+
+    HOST_READS = ("aten._local_scalar_dense", "aten.nonzero", "aten.unique", "aten._unique")
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        host = any(t.device.type == "cpu" for t in tensors)
+        to_device = kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "meta"
+        if str(func).startswith(self.HOST_READS):
+            raise AssertionError(f"a host read in the step: {func}")
+        if host and (to_device or any(t.device.type == "meta" for t in tensors)):
+            raise AssertionError(f"a host tensor meets the device in the step: {func}")
+        return func(*args, **kwargs)
+
+
+def test_the_step_reads_nothing_from_the_host_and_copies_nothing_to_the_device(model, monkeypatch):
+    """The uniform-noise step (decoder, dlmrt::EntropyBoundStep, soft tokens) as a CUDA graph captures it,
+    emulated on a CPU: on the meta device, with `torch.cuda.is_current_stream_capturing()` true (the
+    fixed-shape paths), after one step as the executor's warm-up. A copy from the host or a host read
+    in it would fail the capture (`Cannot copy between CPU and CUDA tensors during CUDA graph capture`)."""
+    from dlmrt.runtime.device_state import Bucket
+    from dlmrt.runtime.torch_backend import TorchBackend
+    from dlmrt.runtime.uniform_state import UniformState
+    from dlmrt.runtime.uniform_step import UNIFORM_STEP
+
+    backend = TorchBackend(copy.deepcopy(model).to("meta"), mode="eager")
+    bucket = Bucket(batch=2, canvas=12, block=4, noise="uniform", prompt=4, schedule=Bucket.schedule_room(4))
+    state = UniformState.allocate(backend.spec, bucket, backend.cache_groups())
+    graphs = UNIFORM_STEP.bind(backend, state)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    made_from_host = []
+    tensor = torch.tensor
+
+    def host_tensor(data, *args, **kwargs):  # torch.tensor(data, device=...) copies from the host below dispatch
+        if kwargs.get("device") is not None and torch.device(kwargs["device"]).type != "cpu":
+            made_from_host.append(data)
+        return tensor(data, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "tensor", host_tensor)
+    with torch.no_grad():
+        UNIFORM_STEP.step(state, graphs)  # the warm-up
+        made_from_host.clear()
+        with _CaptureChecks():
+            UNIFORM_STEP.step(state, graphs)
+    assert made_from_host == []
 
 
 @pytest.mark.parametrize("mode", [pytest.param("compile", marks=pytest.mark.slow),
