@@ -14,19 +14,25 @@
 #                            CUDA-graph column, the running batch under CUDA graphs, the NVIDIA paths of
 #                            quantization, and the TensorRT builds and TrtBackend's agreement with torch where
 #                            TensorRT is installed
+#   parity-cudagraph-first   the parity tests below that failed on the first H200 run (rows stopping at EOS
+#                            and leaving the batch, LLaDA2's policy against its generate): 9 tests, one worker each
 #   latency-eager-cudagraph  scripts/bench_step_latency.py on LLaDA-8B shapes (random bf16 weights made on
 #                            the GPU): ms per step at K = 1 and a whole block against the HBM floor, and the
 #                            unmask step's Triton kernels against the torch reference
-#   parity-cudagraph         the step loop's parity tests (every test taking the `loop` fixture in
+#   bench-diffusion-gemma    `dlmrt bench` on the tiny DiffusionGemma's uniform-noise loop, eager vs CUDA graphs
+#   parity-cudagraph         the step loop's other parity tests (every test taking the `loop` fixture in
 #                            tests/runtime/test_generator.py, test_llada21.py, test_dream_decoding.py: about
 #                            400) under CUDA graphs at K = 1, 4 and a whole block (8 xdist workers)
 #   export, plan             the tiny model's export, and its fp8 build plan for the running GPU (dry run);
 #                            plan, the TensorRT steps and backends' --export need export in the same run
 #   build-bf16, build-fp8, inspect, generate-trt   only where TensorRT is installed
 #   backends                 scripts/bench_backends.py: the tiny export through every backend on the GPU
-#   bench-diffusion-gemma    `dlmrt bench` on the tiny DiffusionGemma's uniform-noise loop, eager vs CUDA graphs
 #   bench-llada-8b           `dlmrt bench` on LLaDA-8B's shapes, eager vs CUDA graphs
 #   latency-compile          bench_step_latency.py under torch.compile (slow to compile: last, on what is left)
+#
+# The test steps print each failure's traceback (--tb=short) as it happens, so that a step cut by its time
+# limit still shows them, and give each xdist worker its share of the CPU threads: the parity tests' CPU
+# references (LLaDA2's generate over a MoE model) crawl when 8 workers each run torch on every core.
 #
 # What comes back, in $OUT (else a temp dir), six files: gpu_check.out (this script's output), summary.txt
 # (the closing table), logs.txt (every step's log, each's last MiB), results.json (the environment, each
@@ -153,20 +159,66 @@ step() {  # step NAME LIMIT COMMAND...: run one command within its limit and wha
     { echo "===== $name: $status in $((SECONDS - t0)) s: $*"; tail -c 1048576 "$work/logs/$name.log"; echo; } \
         >> "$out/logs.txt"
 }
-pytest_options=(-p no:cacheprovider -v -rfEs --continue-on-collection-errors)
+# Each failure's report printed when it comes in (a pytest plugin, on the tests' PYTHONPATH).
+mkdir -p "$work/plugins"
+cat > "$work/plugins/gpu_check_failures.py" <<'PY'
+"""pytest plugin: each failure's report (as --tb asks) printed as it comes in, not only at the end."""
+import pytest
+
+_config = None
+
+
+def pytest_configure(config):
+    global _config
+    _config = config
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_logreport(report):
+    if not report.failed or _config is None or hasattr(_config, "workerinput"):  # the controller prints
+        return
+    reporter = _config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.ensure_newline()
+        reporter.write_sep("-", f"{report.nodeid} failed ({report.when}), at once")
+        reporter.write_line(report.longreprtext)
+PY
+pytest_options=(-p no:cacheprovider -p gpu_check_failures -v -rfEs --tb=short --continue-on-collection-errors)
 # per test, where pytest-timeout and pytest-xdist are installed: a hung test fails alone, and a crashed
 # worker (a segfault in a kernel) fails its test rather than the whole run
 per_test() { if "$python" -c "import pytest_timeout" 2>/dev/null; then echo "--timeout $1"; fi; }
 workers() { if "$python" -c "import xdist" 2>/dev/null; then echo "-n $1"; fi; }
+pytest_on() {  # pytest_on WORKERS: `pytest` (an array) becomes pytest's command line on that many xdist workers,
+    local threads=$(($(nproc) / $1))  # each with its share of the CPU threads
+    ((threads < 1)) && threads=1
+    # shellcheck disable=SC2046
+    pytest=(env "PYTHONPATH=$work/plugins${PYTHONPATH:+:$PYTHONPATH}" "OMP_NUM_THREADS=$threads"
+            "MKL_NUM_THREADS=$threads" "$python" -m pytest "${pytest_options[@]}" $(workers "$1"))
+}
+# The parity tests that failed on the first H200 run (9 of about 400): run first, on a worker each.
+first_parity=(tests/runtime/test_generator.py::test_a_row_stops_after_the_block_holding_eos
+              tests/runtime/test_generator.py::test_finished_rows_leave_the_batch)
+for case in K1-12-0.95-4-none K4-12-0.95-4-prefix Kblock-10-0.2-4-none; do
+    first_parity+=("tests/runtime/test_generator.py::test_llada2_policy_decodes_as_llada2s_generate[cudagraph-$case]")
+done
+not_first=()
+for test in "${first_parity[@]}"; do not_first+=(--deselect "$test"); done
 
+pytest_on 4
 # shellcheck disable=SC2046
-step gpu-tests 150 "$python" -m pytest -m "gpu or trt" "${pytest_options[@]}" $(per_test 90) $(workers 4) \
-    --junitxml "$work/gpu-tests.xml" tests
+step gpu-tests 150 "${pytest[@]}" -m "gpu or trt" $(per_test 90) --junitxml "$work/gpu-tests.xml" tests
+pytest_on 9
+# shellcheck disable=SC2046
+step parity-cudagraph-first 90 "${pytest[@]}" $(per_test 60) --loop-modes cudagraph \
+    --junitxml "$work/parity-cudagraph-first.xml" "${first_parity[@]}"
 step latency-eager-cudagraph 120 "$python" scripts/bench_step_latency.py --modes eager,cudagraph \
     --json "$work/json/latency-eager-cudagraph.json"
+step bench-diffusion-gemma 60 "$python" -m dlmrt.cli bench --model dlmrt/assets/tiny-diffusion-gemma --device cuda \
+    --policy entropy_bound --backend torch:eager,torch:cudagraph --batch-size 4 --input-len 12 --output-len 32 \
+    --block-length 16 --output-json "$work/json/bench-diffusion-gemma.json"
+pytest_on 8
 # shellcheck disable=SC2046
-step parity-cudagraph 120 "$python" -m pytest "${pytest_options[@]}" $(per_test 60) $(workers 8) \
-    --loop-modes cudagraph -k cudagraph \
+step parity-cudagraph 180 "${pytest[@]}" $(per_test 60) --loop-modes cudagraph -k cudagraph "${not_first[@]}" \
     --junitxml "$work/parity-cudagraph.xml" tests/runtime/test_generator.py tests/runtime/test_llada21.py \
     tests/runtime/test_dream_decoding.py
 export_dir="$work/tiny-export"
@@ -185,9 +237,6 @@ export_option=()  # without the export step, bench_backends.py exports to a temp
 [ -d "$export_dir" ] && export_option=(--export "$export_dir")
 step backends 75 "$python" scripts/bench_backends.py "${export_option[@]}" --precisions "$precisions" \
     --json "$work/json/backends.json"
-step bench-diffusion-gemma 60 "$python" -m dlmrt.cli bench --model dlmrt/assets/tiny-diffusion-gemma --device cuda \
-    --policy entropy_bound --backend torch:eager,torch:cudagraph --batch-size 4 --input-len 12 --output-len 32 \
-    --block-length 16 --output-json "$work/json/bench-diffusion-gemma.json"
 step bench-llada-8b 90 "$python" -m dlmrt.cli bench --model llada-8b --device cuda --dtype bfloat16 \
     --backend torch:eager,torch:cudagraph --input-len 512 --output-len 32 --num-iters 3 \
     --output-json "$work/json/bench-llada-8b.json"
@@ -260,7 +309,7 @@ for line in (work / "steps.tsv").read_text().splitlines():
     name, outcome, seconds = line.split("\t")
     detail = ""
     xml, log = work / f"{name}.xml", work / "logs" / f"{name}.log"
-    if name in ("gpu-tests", "parity-cudagraph"):
+    if name in ("gpu-tests", "parity-cudagraph-first", "parity-cudagraph"):
         try:
             tests[name] = junit_cases(xml) if xml.exists() else log_cases(log) if log.exists() else []
         except Exception as error:  # noqa: BLE001
