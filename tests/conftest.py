@@ -5,11 +5,20 @@ from __future__ import annotations
 import os
 import tempfile
 
-import pytest
+# One torch thread per test process, set before torch loads its OpenMP runtime. CI runs two pytest workers
+# on two cores; with a thread per core each, four spinning OpenMP threads share two cores, and the tests'
+# tiny eager steps waited on descheduled threads: 28 CPU-minutes for the suite instead of 19. Processes the
+# tests start (the CLI, exports) inherit it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from dlmrt.export import checkpoint
-from helpers import LLADA, LLADA2, ORL, Loop, config, random_model
-from shared_exports import SharedExports
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from dlmrt.export import checkpoint  # noqa: E402
+from helpers import LLADA, LLADA2, ORL, Loop, config, random_model  # noqa: E402
+from shared_exports import SharedExports  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # also where torch was loaded before this file
 
 STEPS_PER_SYNC = (1, 4, "block")
 # torch.compile's artifacts, shared by the session's tests and kept out of the user's cache.
