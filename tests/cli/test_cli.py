@@ -56,7 +56,7 @@ def test_help_does_not_import_torch(args):
 
 def test_json_output_and_metrics(model_dir):
     result = run("generate", "--model", model_dir, "--prompt-ids", "5,6,7", "--prompt-ids", "8,9",
-                 "--gen-length", 8, "--block-length", 4, "--steps", 4, "--json")
+                 "--gen-length", 8, "--block-length", 4, "--steps", 4, "--json", "--mode", "eager")
     assert result.exit_code == 0, result.output
     payload = json.loads(result.output)
     assert len(payload["outputs"]) == 2
@@ -70,13 +70,13 @@ def test_json_output_and_metrics(model_dir):
 
 
 def test_defaults_come_from_generation_config(model_dir):
-    result = run("generate", "--model", model_dir, "--prompt", "rev:abc=", "--json")
+    result = run("generate", "--model", model_dir, "--prompt", "rev:abc=", "--json", "--mode", "eager")
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["metrics"]["nfe"] == 8  # gen_length 8, one token per step
 
 
 def test_text_output_is_one_line_per_prompt(model_dir):
-    result = run("generate", "--model", model_dir, "--prompt", "rev:abc=", "--prompt", "sort:321=")
+    result = run("generate", "--model", model_dir, "--prompt", "rev:abc=", "--prompt", "sort:321=", "--mode", "eager")
     assert result.exit_code == 0, result.output
     assert len(result.output.splitlines()) == 2
 

@@ -178,7 +178,7 @@ def test_eval_scores_equal_exact_match(cli_run, tiny):
     examples = tasks.examples("test", per_task=5, seed=0)
     for entry in document["results"]:
         settings = GenerationSettings(16, 8, parse_setting(entry["setting"]).policy)
-        score = exact_match(tiny, examples, settings)
+        score = exact_match(tiny, examples, settings, mode="eager")  # as the CLI run: it is not about compile
         assert entry["exact_match"] == score.per_task
         assert entry["metrics"]["generated_tokens"] == score.metrics.generated_tokens
         assert entry["metrics"]["nfe"] == score.metrics.nfe
@@ -188,7 +188,7 @@ def test_eval_on_a_jsonl_file(tmp_path, random_model_dir):
     data = tmp_path / "examples.jsonl"
     data.write_text('{"prompt": "rev:abc=", "answer": "cba"}\n{"prompt": "sort:321=", "answer": "123"}\n')
     result = run("eval", "--model", random_model_dir, "--data", data, "--setting", "factor:factor=2",
-                 "--json", tmp_path / "out.json")
+                 "--json", tmp_path / "out.json", "--mode", "eager")
     assert result.exit_code == 0, result.output
     document = json.loads((tmp_path / "out.json").read_text())
     assert document["examples"] == 2 and document["settings"]["gen_length"] == 8

@@ -189,7 +189,7 @@ def test_cli_export_and_generate_with_ort(tmp_path, monkeypatch):
     assert "step_full.onnx" in exported.output and "step_cached.onnx" in exported.output
     args = ["generate", "--prompt-ids", "5,6,7", "--prompt-ids", "8,9", "--gen-length", "8", "--block-length", "4",
             "--policy", "threshold", "--threshold", "0.3", "--cache", "dual", "--json"]
-    torch_out = json.loads(runner.invoke(main, [*args, "--model", str(model_dir)]).output)["outputs"]
+    torch_out = json.loads(runner.invoke(main, [*args, "--model", str(model_dir), "--mode", "eager"]).output)["outputs"]
     ort_out = runner.invoke(main, [*args, "--model", str(tmp_path / "export"), "--backend", "ort"])
     assert ort_out.exit_code == 0, ort_out.output
     assert json.loads(ort_out.output)["outputs"] == torch_out
