@@ -268,6 +268,7 @@ def cached_export_dir(model_dir: str | Path, dtype: str, opset: int = DEFAULT_OP
     from dlmrt.core.home import home
 
     model_dir = Path(model_dir).resolve()
+    checkpoint.read_config(model_dir)  # a missing or foreign directory gets the loader's own error, not a traceback
     key = hashlib.sha256(f"{model_dir}|{dtype}|{opset}|{__version__}".encode())
     for path in sorted(model_dir.iterdir()):
         if path.is_file():

@@ -42,14 +42,25 @@ def require_trt_extra() -> None:
                         "on a machine with an NVIDIA GPU")
 
 
-def require_onnx_extra() -> None:
-    """One clear line, instead of an ImportError, when the ONNX path is not installed."""
+def _missing(modules: tuple[str, ...]) -> list[str]:
     import importlib.util
 
-    missing = [name for name in ("onnx", "onnxscript", "onnxruntime") if importlib.util.find_spec(name) is None]
+    return [name for name in modules if importlib.util.find_spec(name) is None]
+
+
+def require_onnx_extra() -> None:
+    """One clear line, instead of an ImportError, when the ONNX path is not installed."""
+    missing = _missing(("onnx", "onnxscript", "onnxruntime"))
     if missing:
         raise UserError(f"the ONNX path needs {', '.join(missing)}: pip install 'dlmrt[onnx]' "
                         f"(or 'dlmrt[onnx-gpu]' on a GPU machine)")
+
+
+def require_serve_extra() -> None:
+    """`dlmrt serve` on a base install: one line naming the extra, instead of an internal error."""
+    missing = _missing(("fastapi", "uvicorn", "jinja2", "prometheus_client"))
+    if missing:
+        raise UserError(f"dlmrt serve needs {', '.join(missing)}: pip install 'dlmrt[serve]'")
 
 
 DEBUG_VARIABLE = "DLMRT_DEBUG"

@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from dlmrt.cli.backends import BACKENDS
-from dlmrt.cli.errors import reports_errors
+from dlmrt.cli.errors import reports_errors, require_serve_extra
 
 
 @click.command("serve")
@@ -33,6 +33,7 @@ def serve_command(model_dir, backend, mode, device, dtype, max_batch, host, port
                   served_model_name):
     """Serve the model over the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /health,
     /metrics), with continuous batching at block boundaries."""
+    require_serve_extra()
     import uvicorn
     from rich.console import Console
 

@@ -184,3 +184,19 @@ def test_an_internal_error_is_one_line_asking_for_a_report(monkeypatch, capsys):
         with pytest.raises(KeyError, match="deep inside"):
             cli.run()
     assert isinstance(run(*argv).exception, KeyError)  # what the tests see
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt-ids", "5"], ["eval"], ["serve"]])
+@pytest.mark.parametrize("backend", ["torch", "ort"])
+def test_a_model_directory_that_does_not_exist_is_one_line(tmp_path, command, backend):
+    missing = tmp_path / "no-such-dir"
+    result = run(*command, "--backend", backend, "--model", missing)
+    assert result.exit_code == 2, result.output
+    assert f"model directory {missing} does not exist" in result.output and "Traceback" not in result.output
+
+
+def test_serve_without_the_serve_extra_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # neither found nor importable, as on a base install
+    result = run("serve")
+    assert result.exit_code == 2, result.output
+    assert "dlmrt serve needs uvicorn: pip install 'dlmrt[serve]'" in result.output
