@@ -302,11 +302,13 @@ def make_cases(model, backends, prompts, settings, scratch: Path, console):
 
             require_onnx_extra()  # before the imports that need it
             from dlmrt.export.onnx_export import export
+            from dlmrt.runtime.layout import canvas_length
             from dlmrt.runtime.ort_backend import OrtBackend
 
+            # exactly the canvas these prompts need: a block more overran the tiny model's context on the defaults
+            length = canvas_length(prompts, settings.gen_length, settings.block_length, block_causal=model.block_causal)
             with console.status(f"exporting {model.name} for ONNX Runtime"):
-                export_dir = export(model, scratch / "export", max_batch=len(prompts),
-                                    max_length=len(prompts[0]) + settings.gen_length + settings.block_length)
+                export_dir = export(model, scratch / "export", max_batch=len(prompts), max_length=length)
             generator = Generator(OrtBackend(export_dir))
 
         def run(label=label, generator=generator):

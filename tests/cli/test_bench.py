@@ -38,6 +38,14 @@ def test_backends_and_modes_side_by_side_give_the_same_tokens(tmp_path):
     assert "torch:compile" in result.output and "tokens/s" in result.output
 
 
+def test_onnx_runtime_runs_on_the_defaults(tmp_path):
+    """Its export is sized for exactly the canvas of the default lengths, which fill the tiny model's context."""
+    pytest.importorskip("onnxruntime")
+    result = bench("--backend", "ort", "--num-iters", 1, "--num-iters-warmup", 0)
+    assert result.exit_code == 0, result.output
+    assert "input 32, output 32" in result.output
+
+
 def test_a_named_random_config_needs_no_download(tmp_path):
     out = tmp_path / "bench.json"
     result = bench("--model", "llada2-moe-small", "--input-len", 8, "--output-len", 8, "--num-iters", 1,
