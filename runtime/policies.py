@@ -34,7 +34,7 @@ from torch import Tensor
 from dlmrt.core import limits
 from dlmrt.core.errors import ArgumentError
 from dlmrt.plugins.parallel_unmask import CONFIDENCE_MEASURES, strictly_above
-from dlmrt.runtime.policy_registry import LLADA21_PRESETS, POLICIES
+from dlmrt.runtime.policy_registry import LLADA21_PRESETS, POLICIES, unknown_policy
 
 if TYPE_CHECKING:
     from dlmrt.runtime.settings import GenerationSettings
@@ -491,6 +491,6 @@ def make_policy(name: str, *, generation_config: Mapping[str, Any] | None = None
             raise ArgumentError(f"{subject} to policy {owner}, not {name!r}")
     entry = POLICIES.get(name)
     if entry is None:
-        raise ArgumentError(f"unknown policy {name!r} (known: {', '.join(POLICIES)})")
+        raise ArgumentError(unknown_policy(name))
     given = {key: value for key, value in options.items() if key in entry.options and value is not None}
     return entry.policy_class.from_options(given, generation_config or {})

@@ -46,6 +46,15 @@ POLICIES: dict[str, PolicyEntry] = {
                                  {"steps": int, "entropy_bound": float}),
 }
 
+def unknown_policy(name: str) -> str:
+    """What to say of a policy name the registry does not hold: the names it does, and the closest one."""
+    import difflib
+
+    close = difflib.get_close_matches(name, POLICIES, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return f"unknown policy {name!r} (known: {', '.join(POLICIES)}){hint}"
+
+
 # LLaDA2.1's documented modes, as the llada21 options they set; an editing threshold of 1 turns editing off.
 LLADA21_PRESETS: dict[str, dict[str, float | int]] = {
     "quality": {"threshold": 0.7, "editing_threshold": 0.5, "max_post_steps": 16},

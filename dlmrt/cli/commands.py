@@ -75,7 +75,7 @@ DECODING_OPTIONS = {
         help="Semi-autoregressive block size [default: the model's, if it divides --gen-length, else "
              "--gen-length]."),
     "policy": click.option(
-        "--policy", type=str, default=None,
+        "--policy", type=str, default=None, metavar="NAME",
         help=f"Decoding policy: {'; '.join(f'{name} ({entry.description})' for name, entry in POLICIES.items())} "
              f"[default: llada2 for llada2_moe models, entropy_bound for uniform-noise models (diffusion_gemma), "
              f"else fixed]."),

@@ -23,7 +23,7 @@ from dlmrt.core import atomic, json_files
 from dlmrt.core.errors import ArgumentError
 from dlmrt.export.models import Denoiser
 from dlmrt.runtime import GenerationMetrics, GenerationSettings, Generator, Policy, make_policy, text
-from dlmrt.runtime.policy_registry import POLICIES
+from dlmrt.runtime.policy_registry import POLICIES, unknown_policy
 from dlmrt.runtime.settings import check_request
 from dlmrt.core.tasks import Example, is_correct
 
@@ -183,7 +183,7 @@ def parse_setting(spec: str) -> Setting:
     name, colon, rest = label.partition(":")
     name = name.strip()
     if name not in POLICIES:
-        raise ArgumentError(f"setting {label!r}: unknown policy {name!r} (known: {', '.join(POLICIES)})")
+        raise ArgumentError(f"setting {label!r}: {unknown_policy(name)}")
     params = _setting_params(label, name, rest) if colon else {}
     if name == "residual" and "threshold" in params and "factor" in params:
         raise ArgumentError(f"setting {label!r}: residual takes a threshold or a factor, not both")

@@ -185,6 +185,11 @@ def test_unknown_policy_name():
         make_policy("greedy")
 
 
+def test_a_misspelt_policy_name_gets_the_closest_one():
+    with pytest.raises(ArgumentError, match=r"unknown policy 'treshold' \(known: .*\); did you mean 'threshold'\?$"):
+        make_policy("treshold")
+
+
 @pytest.mark.parametrize("prompts, expected", [
     ([[5, 99]], r"prompt 0 has token ids outside the vocabulary \[0, 43\): \[99\]"),
     ([[5], [-1]], r"prompt 1 has token ids outside the vocabulary"),

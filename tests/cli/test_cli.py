@@ -96,6 +96,7 @@ def test_text_output_is_one_line_per_prompt(model_dir):
     (["--prompt", "rev:ABC="], "characters not in its vocabulary: ['A', 'B', 'C']"),
     (["--prompt", "x", "--prompt-ids", "1"], "give either --prompt or --prompt-ids, not both"),
     (["--prompt-ids", "5", "--policy", "greedy"], "unknown policy 'greedy'"),
+    (["--prompt-ids", "5", "--policy", "factr"], "did you mean 'factor'?"),
     (["--prompt-ids", "5", "--policy", "threshold", "--threshold", "1.5"], "threshold must lie in (0, 1], got 1.5"),
     (["--prompt-ids", "5", "--policy", "residual"], "policy 'residual' needs an ORL model"),
     (["--prompt-ids", "5", "--block-length", "0"], "'--block-length': 0 is not in the range 1<=x<="),
