@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable
 
 import click
 
@@ -65,13 +64,22 @@ def require_serve_extra() -> None:
 
 DEBUG_VARIABLE = "DLMRT_DEBUG"
 INTERNAL_ERROR_STATUS = 70  # EX_SOFTWARE, sysexits.h
+INTERRUPTED_STATUS = 130
 
 
-def guarded(command: Callable[[], object], argv: list[str]) -> int:
-    """Run the click `command` as the `dlmrt` executable: click reports usage errors and exits; any
-    other exception becomes one line naming the subcommand, unless debugging was asked for."""
+def guarded(command: click.Command, argv: list[str]) -> int:
+    """Run the click `command` as the `dlmrt` executable and return its exit status: usage errors as
+    click shows them (2), Ctrl-C as 130 (128 + SIGINT, the shell's convention), and any other exception
+    as one line naming the subcommand (70), unless debugging was asked for."""
     try:
-        command()
+        status = command.main(argv, standalone_mode=False)  # click's own exits come back as their status
+        return status if isinstance(status, int) else 0
+    except click.ClickException as error:
+        error.show()
+        return error.exit_code
+    except click.Abort as abort:
+        click.echo("Aborted!", err=True)
+        return INTERRUPTED_STATUS if isinstance(abort.__cause__, KeyboardInterrupt) else 1
     except Exception as error:  # noqa: BLE001  (the guard of last resort)
         if os.environ.get(DEBUG_VARIABLE, "") not in ("", "0") or "--debug" in argv:
             raise
@@ -82,4 +90,3 @@ def guarded(command: Callable[[], object], argv: list[str]) -> int:
                    f"traceback that `{DEBUG_VARIABLE}=1 dlmrt ...` (or `dlmrt --debug ...`) prints.",
                    err=True)
         return INTERNAL_ERROR_STATUS
-    return 0

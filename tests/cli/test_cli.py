@@ -201,3 +201,17 @@ def test_serve_without_the_serve_extra_names_the_extra(monkeypatch):
     result = run("serve")
     assert result.exit_code == 2, result.output
     assert "dlmrt serve needs uvicorn: pip install 'dlmrt[serve]'" in result.output
+
+
+def test_ctrl_c_exits_130_with_one_line(monkeypatch, capsys):
+    from dlmrt import cli
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("dlmrt.runtime.settings.settings_with_defaults", interrupted)
+    monkeypatch.setattr("sys.argv", ["dlmrt", "generate", "--prompt-ids", "5", "--backend", "reference"])
+    with pytest.raises(SystemExit) as exit_:
+        cli.run()
+    err = capsys.readouterr().err
+    assert exit_.value.code == 130 and "Traceback" not in err and err.strip() == "Aborted!"
