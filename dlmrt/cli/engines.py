@@ -162,12 +162,13 @@ def print_plan(plan, problems, installed: str | None) -> None:
         ("output", plan.output),
         *(("note", note) for note in plan.notes),
     ]
-    for graph in plan.graphs:
-        rows.append((f"graph {graph.name}", f"{graph.onnx} (sha256 {graph.sha256[:16]}…)\n"
-                                            + "\n".join(trtexec_flags(graph.shapes))))
+    rows += [(f"graph {graph.name}", f"{graph.onnx} (sha256 {graph.sha256[:16]}…)") for graph in plan.graphs]
     for row in rows:
         table.add_row(*row)
     console.print(table)
+    click.echo("each graph's profile as trtexec's flags, one line a graph to paste:")
+    for graph in plan.graphs:  # plain lines: a table would wrap them inside its borders
+        click.echo(f"  --onnx={Path(plan.export_dir) / graph.onnx} {' '.join(trtexec_flags(graph.shapes))}")
     if problems:
         console.print(f"[red]preflight: {len(problems)} problem{'s' * (len(problems) > 1)}[/red]")
         for problem in problems:

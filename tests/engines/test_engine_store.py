@@ -257,6 +257,8 @@ def test_build_dry_run_prints_the_plan_and_preflight(tiny_export, tmp_path):
     table = CliRunner().invoke(main, ["build", str(tiny_export), "--target", "sm_90", "--dry-run",
                                       "--tensorrt", "10.13"])
     assert table.exit_code == 0 and "--minShapes=ids:1x1" in table.output and "preflight: the export" in table.output
+    flags = [line for line in table.output.splitlines() if "--minShapes=" in line]  # whole lines, to paste
+    assert len(flags) == 2 and all("--onnx=" in line and "--maxShapes=" in line and "│" not in line for line in flags)
 
 
 @pytest.mark.parametrize("arguments, message", [
