@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -12,6 +13,7 @@ import click
 
 from dlmrt import TINY_MODEL_DIR, __version__
 from dlmrt.core import limits
+from dlmrt.core.home import home
 from dlmrt.cli.errors import UserError, guarded, reports_errors, require_onnx_extra
 from dlmrt.cli.types import FLOAT32, LENGTH
 from dlmrt.cli.bench import bench_command
@@ -51,6 +53,9 @@ def main(debug: bool) -> None:
 
 def run() -> None:
     """The installed `dlmrt` command: the group under the guard of last resort."""
+    # torch.compile's caches under $DLMRT_HOME, so that a later process compiles nothing. Set before torch
+    # loads: inductor fixes its directory the first time it asks.
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(home() / "inductor"))
     sys.exit(guarded(main, sys.argv[1:]))
 
 
@@ -160,8 +165,8 @@ def torch_backend_options(command):
     return click.option(
         "--mode", type=click.Choice(MODE_NAMES), default="auto", show_default=True,
         help="torch backend: eager (op by op), compile (torch.compile of the steps; compiled once per "
-             "shape, kept under $DLMRT_HOME), cudagraph (CUDA graphs); auto is cudagraph on CUDA, compile "
-             "on a CPU.")(command)
+             "shape, cached under $DLMRT_HOME/inductor), cudagraph (CUDA graphs); auto is cudagraph on CUDA, "
+             "eager on a CPU, where a one-off run's compile costs more than it saves.")(command)
 
 
 def backend_options(command):
@@ -371,7 +376,7 @@ def print_update(model, update, batch_size, as_json):
                    "an export, or a model directory exported on first use); trt: the TensorRT engines stored for "
                    "this GPU (--model the export they were built from).")
 @click.option("--mode", type=click.Choice(MODE_NAMES), default="auto", show_default=True,
-              help="torch backend: eager, compile, cudagraph; auto is cudagraph on CUDA, compile on a CPU.")
+              help="torch backend: eager, compile, cudagraph; auto is cudagraph on CUDA, eager on a CPU.")
 @backend_options
 @click.option("--batch-size", type=click.IntRange(min=1), default=64, show_default=True,
               help="Examples decoded together.")

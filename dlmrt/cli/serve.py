@@ -16,7 +16,8 @@ from dlmrt.cli.errors import reports_errors, require_serve_extra
 @click.option("--backend", type=click.Choice(BACKENDS), default="torch", show_default=True)
 @click.option("--mode", type=click.Choice(("auto", "eager", "compile", "cudagraph")), default="auto",
               show_default=True, help="torch backend: how the steps run. auto: CUDA graphs on a GPU, eager on a CPU "
-                                      "(compile stalls the running batch while each new batch shape compiles).")
+                                      "(compile would stall the running batch while each new batch shape "
+                                      "compiles).")
 @click.option("--device", type=click.Choice(("auto", "cpu", "cuda")), default="auto", show_default=True)
 @click.option("--dtype", type=click.Choice(("auto", "float32", "bfloat16", "float16")), default="float32",
               show_default=True)
@@ -39,14 +40,10 @@ def serve_command(model_dir, backend, mode, device, dtype, max_batch, host, port
 
     from dlmrt.core.chat_template import load_chat_template
     from dlmrt import TINY_MODEL_DIR
-    from dlmrt.cli.backends import open_backend, resolve_device
+    from dlmrt.cli.backends import open_backend
     from dlmrt.serve.app import ServerLimits, create_app
 
     console = Console(stderr=True)
-    if backend == "torch" and mode == "auto" and resolve_device(backend, device) == "cpu":
-        # A continuous batch takes many shapes (rows x canvas); on a CPU each one compiles for tens of seconds
-        # while every running request waits, so a server runs eager there unless asked otherwise.
-        mode = "eager"
     model, built = open_backend(backend, model_dir, dtype=dtype, mode=mode, max_batch=max_batch, device=device,
                                 engines=None, precision=None, console=console)
     app = create_app(model, built, ServerLimits(max_queue=max_queue, request_timeout_s=request_timeout),

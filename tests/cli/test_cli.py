@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -215,3 +216,15 @@ def test_ctrl_c_exits_130_with_one_line(monkeypatch, capsys):
         cli.run()
     err = capsys.readouterr().err
     assert exit_.value.code == 130 and "Traceback" not in err and err.strip() == "Aborted!"
+
+
+def test_the_command_keeps_compiled_steps_under_dlmrt_home(model_dir, tmp_path):
+    """What a later process's compile finds: inductor's graph and autograd caches in $DLMRT_HOME/inductor."""
+    env = {**os.environ, "DLMRT_HOME": str(tmp_path / "home")}
+    env.pop("TORCHINDUCTOR_CACHE_DIR")  # the tests' own, which the command would otherwise inherit
+    result = subprocess.run([sys.executable, "-m", "dlmrt.cli", "generate", "--model", str(model_dir), "--prompt-ids",
+                             "5,6", "--gen-length", "4", "--block-length", "4", "--mode", "compile"],
+                            env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    cache = tmp_path / "home" / "inductor"
+    assert any((cache / "fxgraph").iterdir()) and any((cache / "aotautograd").iterdir())

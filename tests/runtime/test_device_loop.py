@@ -145,12 +145,28 @@ def _failing_compile(*args, **kwargs):
     raise RuntimeError("no compiler here")
 
 
-def test_a_failed_compile_falls_back_to_eager_only_for_the_default_mode(llada, monkeypatch):
+def test_auto_runs_eager_on_a_cpu_and_compiles_nothing(llada, monkeypatch):
     monkeypatch.setattr(torch, "compile", _failing_compile)
     settings = GenerationSettings(8, 4, Threshold(0.3), cache="dual", ignore_eos=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback warning either: nothing was tried
+        found = Generator(llada).generate(PROMPTS, settings)
+    assert torch.equal(found.tokens, tokens(llada, settings, mode="eager"))
+
+
+def test_a_failed_compile_falls_back_to_eager_only_for_the_default_mode(llada, monkeypatch):
+    """`auto` falls back (on CUDA, where it captures); a mode asked for explains. On a CPU `auto` runs eager,
+    so the fallback runs here through the executor TorchBackend makes for `auto`, over compile."""
+    from dlmrt.runtime.executor import Executor
+    from dlmrt.runtime.torch_backend import TorchBackend
+
+    monkeypatch.setattr(torch, "compile", _failing_compile)
+    settings = GenerationSettings(8, 4, Threshold(0.3), cache="dual", ignore_eos=True)
+    backend = TorchBackend(llada, mode="compile")
+    backend.executor = Executor(backend, "compile", "fall back")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        fallback = Generator(llada).generate(PROMPTS, settings)  # auto: compile on a CPU
+        fallback = Generator(backend).generate(PROMPTS, settings)
     said = [w for w in caught if "running eagerly instead" in str(w.message)]
     assert len(said) == 1 and "no compiler here" in str(said[0].message)  # once, for both step kinds
     assert torch.equal(fallback.tokens, tokens(llada, settings, mode="eager"))
