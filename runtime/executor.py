@@ -8,7 +8,6 @@ Design notes: docs/runtime-modules.md#executor.
 
 from __future__ import annotations
 
-import os
 import time
 import warnings
 from collections.abc import Callable, Hashable
@@ -17,6 +16,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from dlmrt.core.errors import ArgumentError
+from dlmrt.core.home import keep_compiled_steps
 from dlmrt.runtime import cuda_graphs
 
 if TYPE_CHECKING:
@@ -113,7 +113,7 @@ class Executor:
     def _compile(self, state, program: StepProgram, graphs, steps: int) -> Callable[[], None]:
         step = type(program).step
         if step not in self._compiled:
-            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(_inductor_cache()))
+            keep_compiled_steps()
             self._compiled[step] = torch.compile(step, fullgraph=True, dynamic=False)
         compiled = self._compiled[step]
         saved = state.snapshot()
@@ -148,8 +148,3 @@ def _first_line(error: Exception) -> str:
     text = str(error).strip()
     return text.splitlines()[0][:300] if text else "no message"
 
-
-def _inductor_cache():
-    from dlmrt.core.home import home
-
-    return home() / "inductor"

@@ -46,6 +46,7 @@ POLICIES: dict[str, PolicyEntry] = {
                                  {"steps": int, "entropy_bound": float}),
 }
 
+
 def unknown_policy(name: str) -> str:
     """What to say of a policy name the registry does not hold: the names it does, and the closest one."""
     import difflib

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -13,7 +12,7 @@ import click
 
 from dlmrt import TINY_MODEL_DIR, __version__
 from dlmrt.core import limits
-from dlmrt.core.home import home
+from dlmrt.core.home import keep_compiled_steps
 from dlmrt.cli.errors import UserError, guarded, reports_errors, require_onnx_extra
 from dlmrt.cli.types import FLOAT32, LENGTH
 from dlmrt.cli.bench import bench_command
@@ -53,9 +52,7 @@ def main(debug: bool) -> None:
 
 def run() -> None:
     """The installed `dlmrt` command: the group under the guard of last resort."""
-    # torch.compile's caches under $DLMRT_HOME, so that a later process compiles nothing. Set before torch
-    # loads: inductor fixes its directory the first time it asks.
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(home() / "inductor"))
+    keep_compiled_steps()  # so that a later process compiles nothing
     sys.exit(guarded(main, sys.argv[1:]))
 
 

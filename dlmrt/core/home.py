@@ -12,3 +12,9 @@ def home() -> Path:
         return Path(os.environ["DLMRT_HOME"]).expanduser()
     cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(cache) / "dlmrt"
+
+
+def keep_compiled_steps() -> None:
+    """Point torch.compile's caches at $DLMRT_HOME/inductor, unless TORCHINDUCTOR_CACHE_DIR says otherwise.
+    It takes only before inductor first asks for its directory, so the command calls it before torch loads."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(home() / "inductor"))
