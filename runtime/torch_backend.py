@@ -46,9 +46,8 @@ def modes_for(device: torch.device) -> tuple[str, ...]:
 
 def resolve_mode(mode: str, device: torch.device) -> str:
     """The mode to run: `auto` is cudagraph on CUDA and eager elsewhere; a mode this device cannot run is
-    refused. On a CPU a compiled step is faster, but its compile costs more than a run saves: the tiny
-    model's demo takes 2.8 s eager against 6.4 s compiled with a warm cache and 16 s cold, and
-    `dlmrt eval --per-task 5` 4.2 s against 27 s. Long runs ask for compile (docs/device-loop.md)."""
+    refused. On a CPU a compiled step is faster, but a one-off command pays more for compiling than it
+    saves: measured in docs/device-loop.md. Long runs ask for compile."""
     if mode == "auto":
         return "cudagraph" if device.type == "cuda" else "eager"
     runnable = modes_for(device)
