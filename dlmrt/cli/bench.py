@@ -26,6 +26,7 @@ from dlmrt.bench import suite as bench_suite
 from dlmrt.core import limits
 from dlmrt.bench.suite import Scenario
 from dlmrt.cli.errors import reports_errors
+from dlmrt.cli.model_param import model_param
 from dlmrt.cli.types import FLOAT32, LENGTH
 from dlmrt.core.errors import ArgumentError
 
@@ -49,6 +50,11 @@ def parse_backends(spec: str) -> list[tuple[str, str | None]]:
     if len(set(found)) != len(found):
         raise click.BadParameter(f"{spec!r} names a backend twice", param_hint="--backend")
     return found
+
+
+def option_name(ctx: click.Context, dest: str) -> str:
+    """The option a user typed for a parameter (`model_name` is --model)."""
+    return next(param.opts[0] for param in ctx.command.params if param.name == dest)
 
 
 def open_model(name: str | None, dtype: str, device: str):
@@ -78,9 +84,9 @@ SCENARIO_OPTIONS = ("model_name", "backend_spec", "batch_size", "input_len", "ou
 
 
 @click.command("bench")
-@click.option("--model", "model_name", default=None, metavar="DIR|NAME",
-              help="A model directory, or a random-weight config: llada-512x6, llada-1024x8, llada-8b (for a GPU), "
-                   "llada2-moe-small [default: the tiny model].")
+@model_param("model_name", metavar="DIR|NAME", path=False,
+             help="A model directory, or a random-weight config: llada-512x6, llada-1024x8, llada-8b (for a GPU), "
+                  "llada2-moe-small [default: the tiny model].")
 @click.option("--backend", "backend_spec", default="torch:eager", show_default=True,
               metavar="torch[:MODE],ort,reference", help="Backends and modes compared side by side, comma-separated; "
                                                         "the first is the baseline of the speed ratios.")
@@ -152,7 +158,7 @@ def bench_command(ctx, output_json, suite, scenario_names, baseline, check, upda
         given = [name for name in SCENARIO_OPTIONS
                  if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE]
         if given:
-            raise click.UsageError(f"--suite sets every scenario's options: drop --{given[0].replace('_', '-')}, "
+            raise click.UsageError(f"--suite sets every scenario's options: drop {option_name(ctx, given[0])}, "
                                    f"or set it in the suite")
         if (check or update_baseline) and baseline is None:
             raise click.UsageError("--check and --update-baseline need --baseline FILE")

@@ -13,6 +13,7 @@ import click
 from dlmrt import TINY_MODEL_DIR, __version__
 from dlmrt.core import limits
 from dlmrt.core.home import keep_compiled_steps
+from dlmrt.cli.model_param import model_param
 from dlmrt.cli.errors import UserError, guarded, reports_errors, require_onnx_extra
 from dlmrt.cli.types import FLOAT32, LENGTH
 from dlmrt.cli.bench import bench_command
@@ -32,6 +33,8 @@ if TYPE_CHECKING:
 DTYPE_CHOICES = ("float32", "bfloat16", "float16", "fp32", "bf16", "fp16", "auto")
 CACHE_NAMES = ("none", "prefix", "dual")
 MODE_NAMES = ("auto", "eager", "compile", "cudagraph")
+MODEL_HELP = ("A Hugging Face model directory, or an export for --backend ort/trt [default: the tiny model shipped "
+              "with dlmrt].")
 
 
 def parse_ids(value: str) -> list[int]:
@@ -60,11 +63,6 @@ main.add_command(bench_command)
 main.add_command(serve_command)
 main.add_command(build_command)
 main.add_command(inspect_command)
-
-
-def model_option(command):
-    return click.option("--model", "model_dir", type=click.Path(path_type=Path), default=None,
-                        help="Hugging Face model directory (default: the tiny model shipped with dlmrt).")(command)
 
 
 # The decoding options by name; `generate` takes them all, `eval` the ones its grid does not set.
@@ -181,7 +179,7 @@ def backend_options(command):
 
 
 @main.command()
-@model_option
+@model_param(help=MODEL_HELP)
 @click.option("--prompt", "prompts", multiple=True, metavar="TEXT",
               help="Prompt text (no chat template is applied). Repeat for a batch.")
 @click.option("--prompt-ids", "prompt_ids", multiple=True, metavar="1,2,3",
@@ -352,7 +350,7 @@ def print_update(model, update, batch_size, as_json):
 
 
 @main.command(name="eval")
-@model_option
+@model_param(help=MODEL_HELP)
 @click.option("--data", type=click.Path(path_type=Path, dir_okay=False), default=None, metavar="FILE.jsonl",
               help='Examples as JSONL: {"prompt": ..., "answer": ..., "task": ...} per line ("task" is '
                    "optional) [default: the task suite].")

@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -228,3 +229,27 @@ def test_the_command_keeps_compiled_steps_under_dlmrt_home(model_dir, tmp_path):
     assert result.returncode == 0, result.stderr
     cache = tmp_path / "home" / "inductor"
     assert any((cache / "fxgraph").iterdir()) and any((cache / "aotautograd").iterdir())
+
+
+def test_the_model_may_come_as_an_argument(model_dir):
+    """`dlmrt generate MODEL` (vLLM's habit) is `dlmrt generate --model MODEL`."""
+    args = ("--prompt", "rev:abc=", "--json", "--mode", "eager")
+    positional, named = run("generate", model_dir, *args), run("generate", "--model", model_dir, *args)
+    assert positional.exit_code == 0, positional.output
+    assert json.loads(positional.output)["outputs"] == json.loads(named.output)["outputs"]
+    assert json.loads(positional.output)["metrics"]["nfe"] == 8  # model_dir's own generation_config, not the tiny's
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt-ids", "5"], ["eval"], ["bench"]])
+def test_a_model_given_twice_differently_is_one_usage_line(tmp_path, command):
+    result = run(*command, tmp_path / "a", "--model", tmp_path / "b")
+    assert result.exit_code == 2, result.output
+    assert re.search(rf"give the model once: (MODEL|DIR\|NAME) {tmp_path / 'a'} or --model {tmp_path / 'b'}, not both",
+                     result.output), result.output
+
+
+def test_a_suite_refuses_a_model_argument_as_it_refuses_the_option():
+    suite = Path(__file__).parents[2] / "benchmarks" / "ci.toml"
+    result = run("bench", "llada-512x6", "--suite", suite)
+    assert result.exit_code == 2, result.output
+    assert "--suite sets every scenario's options: drop --model, or set it in the suite" in result.output
