@@ -32,8 +32,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 
-from dlmrt.serve.schema import (ApiError, ChatRequest, CompletionRequest, DiffusionKnobs, chat_choice, chat_delta,
-                              completion_choice, reply_header, usage)
+from dlmrt.serve.schema import (ApiError, ChatRequest, CompletionRequest, OpenAIRequest, chat_choice, chat_delta,
+                                completion_choice, reply_header, usage)
 from dlmrt.core.chat_template import ChatTemplate
 from dlmrt.core.errors import DlmrtError
 from dlmrt.runtime import text
@@ -162,10 +162,11 @@ def create_app(model, backend: Backend, server_limits: ServerLimits = ServerLimi
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 
-    def start(request: DiffusionKnobs, prompt: str | list[int], most: int | None) -> tuple[_Decoding, list[int]]:
+    def start(request: OpenAIRequest, prompt: str | list[int], most: int | None) -> tuple[_Decoding, list[int]]:
         if request.model != name:
             raise ApiError(404, f"the model {request.model!r} does not exist: this server runs {name!r}",
                            param="model", code="model_not_found")
+        request.refuse_unsupported()
         ids, settings, most = _prepare(model, backend, request, prompt, most)
         return _Decoding(scheduler, ids, settings, most, server_limits), ids
 
@@ -233,7 +234,7 @@ _FIELDS_NAMED = (("prompt", "prompt"), ("gen-length", "gen_length"), ("block-len
                  ("temperature", "temperature"), ("seed", "seed"))
 
 
-def _param_named(message: str, request: DiffusionKnobs) -> str | None:
+def _param_named(message: str, request: OpenAIRequest) -> str | None:
     """The request field a check's message is about (None when it names none)."""
     for words, field in _FIELDS_NAMED:
         if message.startswith(words) or f" {words}" in message:
@@ -249,7 +250,7 @@ def _text(model, ids: list[int]) -> str:
     return text.decode(model, ids) or ""
 
 
-def _prepare(model, backend: Backend, request: DiffusionKnobs, prompt: str | list[int], wanted: int | None):
+def _prepare(model, backend: Backend, request: OpenAIRequest, prompt: str | list[int], wanted: int | None):
     """(prompt ids, settings, the most tokens to return) for a request; every check before any compute."""
     from dlmrt.runtime.settings import check_request, settings_with_defaults
 

@@ -1,8 +1,13 @@
 """The OpenAI API's shapes as `dlmrt serve` speaks them: requests, replies and errors.
 
-A request's fields are OpenAI's that dlmrt honours, and the diffusion knobs (`gen_length`,
-`block_length`, `policy`, `threshold`, `cache`, `steps`) as extra top-level fields; any other field
-is refused (400, naming it). Every error is one JSON object in OpenAI's shape,
+A request takes every field of OpenAI's Completions or Chat Completions request, and the diffusion
+knobs (`gen_length`, `block_length`, `policy`, `threshold`, `cache`, `steps`) as extra top-level
+fields; any other field is refused (400, naming it). Of OpenAI's fields, dlmrt honours `model`, the
+prompt or messages, `max_tokens` (`max_completion_tokens`), `temperature`, `seed` and `stream`;
+identifiers and hints (`user`, `metadata`, `safety_identifier`, the `prompt_cache_*` fields,
+`parallel_tool_calls`) change nothing and are taken as they come. Every other field is in
+NO_OP_ONLY: taken at the values that ask for nothing, refused at any other with a 400 that says why
+(`code` "unsupported_value", `param` the field). Every error is one JSON object in OpenAI's shape,
 `{"error": {"message", "type", "param", "code"}}`.
 """
 
@@ -10,7 +15,8 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
@@ -21,7 +27,59 @@ from dlmrt.core import limits
 FINISH_REASONS = {"eos": "stop", "length": "length"}
 
 
-class DiffusionKnobs(BaseModel):
+@dataclass(frozen=True)
+class NoOpOnly:
+    """An OpenAI field dlmrt cannot honour: it takes null and the values in `accepted` (which ask for
+    nothing), and answers any other with 400 and `why`."""
+
+    accepted: tuple
+    why: str
+
+
+NO_TOOLS = "dlmrt's models do not call tools"
+NO_OP_ONLY: dict[str, NoOpOnly] = {
+    "top_p": NoOpOnly((1.0,), "dlmrt samples from the whole distribution (no nucleus sampling): leave top_p "
+                              "out or 1, and set temperature"),
+    "frequency_penalty": NoOpOnly((0.0,), "dlmrt applies no penalties: leave frequency_penalty out or 0"),
+    "presence_penalty": NoOpOnly((0.0,), "dlmrt applies no penalties: leave presence_penalty out or 0"),
+    "logit_bias": NoOpOnly(({},), "dlmrt does not bias logits: leave logit_bias out or {}"),
+    # A completion's logprobs=0 still asks for the chosen tokens' log probabilities; only false asks for none
+    "logprobs": NoOpOnly((False,), "dlmrt does not return log probabilities yet: leave logprobs out or false"),
+    "top_logprobs": NoOpOnly((0,), "dlmrt does not return log probabilities yet: leave top_logprobs out or 0"),
+    "echo": NoOpOnly((False,), "dlmrt does not echo the prompt: leave echo out or false, and prepend the prompt "
+                               "yourself"),
+    "n": NoOpOnly((1,), "dlmrt returns one choice a request: leave n out or 1, and send n requests (with "
+                        "different seeds for different choices)"),
+    "best_of": NoOpOnly((1,), "dlmrt returns one choice a request and ranks none: leave best_of out or 1"),
+    "suffix": NoOpOnly(("",), "dlmrt does not fill in before a suffix: leave suffix out"),
+    "tools": NoOpOnly(([],), f"{NO_TOOLS}: leave tools out"),
+    "tool_choice": NoOpOnly(("none", "auto"), f"{NO_TOOLS}: leave tool_choice out, or none"),
+    "functions": NoOpOnly(([],), f"{NO_TOOLS}: leave functions out"),
+    "function_call": NoOpOnly(("none", "auto"), f"{NO_TOOLS}: leave function_call out, or none"),
+    "response_format": NoOpOnly(({"type": "text"},), 'dlmrt does not constrain its output to JSON: leave '
+                                                     'response_format out or {"type": "text"}'),
+    "modalities": NoOpOnly((["text"],), 'dlmrt generates text only: leave modalities out or ["text"]'),
+    "audio": NoOpOnly((), "dlmrt generates text only: leave audio out"),
+    "prediction": NoOpOnly((), "dlmrt does not use predicted outputs: leave prediction out"),
+    "web_search_options": NoOpOnly((), "dlmrt does not search the web: leave web_search_options out"),
+    "moderation": NoOpOnly((), "dlmrt does not moderate: leave moderation out"),
+    "store": NoOpOnly((False,), "dlmrt keeps no completions: leave store out or false"),
+    "service_tier": NoOpOnly(("auto", "default"), "dlmrt serves every request alike: leave service_tier out, "
+                                                  "auto or default"),
+    "reasoning_effort": NoOpOnly(("none",), "dlmrt's models do not reason before they answer: leave "
+                                            "reasoning_effort out, or none"),
+    "verbosity": NoOpOnly(("medium",), "dlmrt's models take no verbosity: leave verbosity out, or medium"),
+}
+
+
+def _asks_nothing(value: Any, accepted: tuple) -> bool:
+    # by type too: a completion's logprobs=0 is no `false`, though 0 == False in Python
+    return value is None or any(type(value) is type(ok) and value == ok for ok in accepted)
+
+
+class OpenAIRequest(BaseModel):
+    """The fields both endpoints take: OpenAI's common ones, then the diffusion knobs."""
+
     model_config = ConfigDict(extra="forbid")
 
     model: str
@@ -29,8 +87,12 @@ class DiffusionKnobs(BaseModel):
     stream: bool = False
     temperature: float | None = Field(default=None, ge=0.0, le=limits.FLOAT32_MAX)
     seed: int | None = Field(default=None, ge=0, le=limits.MAX_SEED)
-    n: Literal[1] = 1
     user: str | None = None
+    top_p: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    n: int | None = None
     gen_length: int | None = Field(default=None, ge=1, le=limits.MAX_POSITIONS)
     block_length: int | None = Field(default=None, ge=1, le=limits.MAX_POSITIONS)
     policy: str | None = None
@@ -38,11 +100,21 @@ class DiffusionKnobs(BaseModel):
     cache: Literal["none", "prefix", "dual"] | None = None
     steps: int | None = Field(default=None, ge=1, le=limits.MAX_POSITIONS)
 
+    def refuse_unsupported(self) -> None:
+        """Raise a 400 for the first value dlmrt cannot honour (NO_OP_ONLY)."""
+        for field, rule in NO_OP_ONLY.items():
+            if not _asks_nothing(getattr(self, field, None), rule.accepted):
+                raise ApiError(400, f"{field}: {rule.why}", param=field, code="unsupported_value")
 
-class CompletionRequest(DiffusionKnobs):
+
+class CompletionRequest(OpenAIRequest):
     """`POST /v1/completions`."""
 
     prompt: str | list[int] = Field(min_length=1)
+    suffix: str | None = None
+    echo: bool | None = None
+    best_of: int | None = None
+    logprobs: bool | int | None = None  # a number of alternatives; false and 0 differ (NO_OP_ONLY)
 
 
 class ChatMessage(BaseModel):
@@ -53,11 +125,33 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
 
-class ChatRequest(DiffusionKnobs):
+class ChatRequest(OpenAIRequest):
     """`POST /v1/chat/completions`."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=limits.MAX_POSITIONS)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[dict] | None = None
+    function_call: str | dict | None = None
+    response_format: dict | None = None
+    modalities: list[str] | None = None
+    audio: dict | None = None
+    prediction: dict | None = None
+    web_search_options: dict | None = None
+    moderation: dict | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict | None = None
 
     @property
     def most_tokens(self) -> int | None:

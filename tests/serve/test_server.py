@@ -12,22 +12,9 @@ pytest.importorskip("fastapi", reason="the server needs the 'serve' extra")
 from fastapi.testclient import TestClient  # noqa: E402
 
 import dlmrt  # noqa: E402
-from dlmrt.core.chat_template import load_chat_template  # noqa: E402
 from dlmrt.runtime import EntropyBound, Fixed, GenerationSettings, Generator, text  # noqa: E402
 from dlmrt.runtime.torch_backend import TorchBackend  # noqa: E402
 from dlmrt.serve.app import ServerLimits, create_app  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def model():
-    return dlmrt.load()
-
-
-@pytest.fixture(scope="module")
-def client(model):
-    app = create_app(model, TorchBackend(model, mode="eager"), ServerLimits(max_body_bytes=4096),
-                     chat_template=load_chat_template(dlmrt.TINY_MODEL_DIR))
-    return TestClient(app)
 
 
 def alone(model, prompt: str, gen_length: int = 16, block: int = 8) -> list[int]:

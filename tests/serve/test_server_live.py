@@ -25,11 +25,6 @@ from dlmrt.serve.app import ServerLimits, create_app  # noqa: E402
 PROMPTS = ["add:762+139=", "rev:abcdefghij=", "sort:3142=", "rev:abc=", "add:5+17=", "sort:987123="]
 
 
-@pytest.fixture(scope="module")
-def model():
-    return dlmrt.load()
-
-
 class LiveServer:
     """uvicorn serving `app` on a free loopback port, in a thread."""
 
