@@ -4,6 +4,9 @@ Hugging Face's file holds many generation fields; dlmrt reads its own few and ke
 are, unchecked and unused, as transformers keeps fields it does not know:
 
 - `gen_length`, `block_length`, `steps`: integers (not booleans) in [1, MAX_POSITIONS];
+- `trained_gen_length`, dlmrt's own: the one generation length a model was trained for (the tiny
+  models; LLaDA-style models trained on many lengths leave it out), in the same range. A run at
+  another length is warned (`dlmrt.runtime.settings.lengths_with_defaults`);
 - `eos_token_id`: a token id or a non-empty list of them; `pad_token_id`, `mask_token_id`,
   `bos_token_id`: a token id; ids are integers in [0, MAX_VOCAB) (the vocabulary check comes once
   the model is known);
@@ -22,7 +25,7 @@ from dlmrt.core import json_files, limits
 from dlmrt.core.errors import CheckpointError
 
 FILE = "generation_config.json"
-LENGTHS = ("gen_length", "block_length", "steps")
+LENGTHS = ("gen_length", "block_length", "steps", "trained_gen_length")
 SINGLE_IDS = ("pad_token_id", "mask_token_id", "bos_token_id")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -131,9 +132,14 @@ def check_request(spec: ModelSpec, prompts: Sequence[Sequence[int]], settings: G
 
 
 def lengths_with_defaults(model, gen_length: int | None, block_length: int | None) -> tuple[int, int]:
-    """Generation and block length, with defaults from the model's generation_config."""
+    """Generation and block length, with defaults from the model's generation_config. A model trained for
+    one generation length alone (the tiny models' `trained_gen_length`) gets a warning at any other."""
     if gen_length is None:
         gen_length = model.generation_config.get("gen_length", 128)
+    trained = model.generation_config.get("trained_gen_length")
+    if trained is not None and gen_length != trained:
+        warnings.warn(f"{model.name} was trained to generate exactly {trained} tokens: at gen-length {gen_length} "
+                      f"it answers nonsense. Use --gen-length {trained} (or leave it out)", stacklevel=2)
     if block_length is None:
         default_block = model.generation_config.get("block_length", model.default_block_length or gen_length)
         fits = model.block_causal or gen_length % default_block == 0  # block-causal: any length on its grid

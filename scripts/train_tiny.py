@@ -112,7 +112,8 @@ def train(args) -> dict:
     _, train_seconds = train_steps(model, masked_loss, args.steps, args.lr, args.weight_decay)
     model.eval().requires_grad_(False)
     model.tokenizer = tokenizer
-    model.generation_config = {"gen_length": GEN_LENGTH, "block_length": BLOCK_LENGTH, "steps": GEN_LENGTH}
+    model.generation_config = {"gen_length": GEN_LENGTH, "trained_gen_length": GEN_LENGTH, "block_length": BLOCK_LENGTH,
+                               "steps": GEN_LENGTH}
     return {"model": model, "parameters": parameters, "train_seconds": train_seconds}
 
 

@@ -152,8 +152,9 @@ def train(args) -> dict:
     model.eval().requires_grad_(False)
     model.tokenizer = tokenizer
     # The task suite's answers fit one canvas of 16, which is also what generate should ask by default.
-    model.generation_config = {"pad_token_id": tasks.PAD_ID, "eos_token_id": [tasks.EOS_ID], "gen_length": 16,
-                               "block_length": 16, **DECODING_DEFAULTS}
+    model.generation_config = {"pad_token_id": tasks.PAD_ID, "eos_token_id": [tasks.EOS_ID],
+                               "gen_length": GEN_LENGTH, "trained_gen_length": GEN_LENGTH, "block_length": 16,
+                               **DECODING_DEFAULTS}
     return {"model": model, "parameters": parameters, "train_seconds": train_seconds, "final_loss": smoothed}
 
 

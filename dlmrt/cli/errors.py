@@ -1,6 +1,6 @@
 """How the command line reports errors: a user's error is one line with exit status 2 (a missing extra
 too); an internal error, the guard of last resort, is one line asking for a bug report, with exit
-status 70 and its traceback only under `--debug` or DLMRT_DEBUG=1.
+status 70 and its traceback only under `--debug` or DLMRT_DEBUG=1. A warning is one line too.
 
 The guard wraps the installed `dlmrt` command (`guarded`), not the click group: tests invoke the
 group, so any exception that is not a DlmrtError still fails them.
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 
 import click
 
@@ -67,12 +68,19 @@ INTERNAL_ERROR_STATUS = 70  # EX_SOFTWARE, sysexits.h
 INTERRUPTED_STATUS = 130
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """A warning as one line on stderr: what a user should know, not where in dlmrt it was raised."""
+    click.echo(f"{click.style('Warning:', fg='yellow')} {message}", err=True)
+
+
 def guarded(command: click.Command, argv: list[str]) -> int:
     """Run the click `command` as the `dlmrt` executable and return its exit status: usage errors as
     click shows them (2), Ctrl-C as 130 (128 + SIGINT, the shell's convention), and any other exception
     as one line naming the subcommand (70), unless debugging was asked for."""
     try:
-        status = command.main(argv, standalone_mode=False)  # click's own exits come back as their status
+        with warnings.catch_warnings():
+            warnings.showwarning = _show_warning
+            status = command.main(argv, standalone_mode=False)  # click's own exits come back as their status
         return status if isinstance(status, int) else 0
     except click.ClickException as error:
         error.show()

@@ -133,6 +133,7 @@ def test_weights_that_cannot_fit_are_refused_before_they_are_built(model_dir, mo
     ({"gen_length": True}, "field 'gen_length' must be an integer"),  # not taken as 1
     ({"block_length": -4}, "field 'block_length' must be an integer"),
     ({"steps": 10**12}, "field 'steps' must be an integer"),
+    ({"trained_gen_length": 0}, "field 'trained_gen_length' must be an integer"),
     ({"eos_token_id": []}, "field 'eos_token_id' must be a token id or a non-empty list of token ids"),
     ({"eos_token_id": [1, "2"]}, "field 'eos_token_id' must be a token id or a non-empty list"),
     ({"pad_token_id": -1}, "field 'pad_token_id' must be a token id"),

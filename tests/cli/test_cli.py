@@ -253,3 +253,19 @@ def test_a_suite_refuses_a_model_argument_as_it_refuses_the_option():
     result = run("bench", "llada-512x6", "--suite", suite)
     assert result.exit_code == 2, result.output
     assert "--suite sets every scenario's options: drop --model, or set it in the suite" in result.output
+
+
+@pytest.mark.parametrize("gen_length, warned", [(["--gen-length", "32"], True), (["--gen-length", "16"], False),
+                                                ([], False)])
+def test_the_tiny_model_warns_once_off_its_trained_length(capsys, gen_length, warned):
+    """The tiny model answers nonsense at any length but the one it was trained for: one line says so."""
+    from dlmrt.cli.errors import guarded
+
+    status = guarded(main, ["generate", "--prompt", "add:762+139=", "--prompt", "rev:hello=", "--mode", "eager",
+                            *gen_length])
+    err = capsys.readouterr().err
+    assert status == 0, err
+    warnings = [line for line in err.splitlines() if "was trained to generate" in line]
+    expected = ["Warning: tiny-llada was trained to generate exactly 16 tokens: at gen-length 32 it answers "
+                "nonsense. Use --gen-length 16 (or leave it out)"]
+    assert warnings == (expected if warned else [])
