@@ -6,7 +6,9 @@
 Endpoints: `GET /health`, `GET /v1/models`, `GET /metrics` (Prometheus), `POST /v1/completions` and
 `POST /v1/chat/completions` (JSON, or server-sent events with one event per committed block, ending
 in `data: [DONE]`). Shapes, knobs and errors: `dlmrt.serve.schema`. What a request leaves out comes
-from the model's generation_config.json, as on the command line.
+from the model's generation_config.json, as on the command line. A completion ends before its first
+`stop` string (`dlmrt.serve.stop_strings`), and its row then leaves the batch; a stream holds back
+the text that may begin a stop string until the next block shows it does not.
 
 Requests are decoded by continuous batching (`dlmrt.runtime.scheduler`): a request joins the running
 batch at the next block boundary and leaves it at the boundary after it ends, so it never waits for
@@ -25,7 +27,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
@@ -40,6 +42,7 @@ from dlmrt.runtime import text
 from dlmrt.runtime.backend import Backend
 from dlmrt.runtime.scheduler import Failed, Finished, QueueFull, Scheduler, ShuttingDown
 from dlmrt.serve.metrics import ServerMetrics
+from dlmrt.serve.stop_strings import StopScan, tokens_spanning
 
 
 @dataclass(frozen=True)
@@ -52,10 +55,12 @@ class ServerLimits:
 class _Decoding:
     """One request in the scheduler, seen from the event loop: its events, up to its deadline."""
 
-    def __init__(self, scheduler: Scheduler, prompt: list[int], settings, most: int, limits: ServerLimits):
+    def __init__(self, scheduler: Scheduler, prompt: list[int], settings, most: int, stops: list[str],
+                 decode: Callable[[list[int]], str], limits: ServerLimits):
         loop = asyncio.get_running_loop()
         self.events: asyncio.Queue = asyncio.Queue()
         self.arrived, self.limits, self.most = time.monotonic(), limits, most
+        self.stop, self.decode = StopScan(stops), decode
         try:
             self.ticket = scheduler.submit(prompt, settings,
                                            lambda event: loop.call_soon_threadsafe(self.events.put_nowait, event))
@@ -64,9 +69,10 @@ class _Decoding:
         except ShuttingDown as error:
             raise ApiError(503, str(error), code="shutting_down", kind="server_error") from None
 
-    async def pieces(self) -> AsyncIterator[tuple[list[int], str | None]]:
-        """(new token ids, finish reason) per committed block, cut at the most tokens asked for."""
-        sent = 0
+    async def pieces(self) -> AsyncIterator[tuple[str, list[int], str | None]]:
+        """(new text, its token ids, finish reason) per committed block: cut at the most tokens asked for
+        and before the first stop string (`StopScan`: text that may begin one waits for the next block)."""
+        ids, released = [], 0  # the completion's ids so far, and how many of them went out
         try:
             while True:
                 event = await self._next()
@@ -74,16 +80,21 @@ class _Decoding:
                     raise _failure(event.error)
                 if isinstance(event, Finished):
                     return
-                ids = event.token_ids[:max(0, self.most - sent)]
-                sent += len(ids)
-                cut = len(ids) < len(event.token_ids)
-                reason = "length" if cut else event.finish_reason or ("length" if sent >= self.most else None)
-                if ids or reason:
-                    yield ids, reason
+                new = event.token_ids[:max(0, self.most - len(ids))]
+                ids += new
+                cut = len(new) < len(event.token_ids)
+                reason = "length" if cut else event.finish_reason or ("length" if len(ids) >= self.most else None)
+                so_far = self.decode(ids)
+                piece, stopped = self.stop.release(so_far, done=reason is not None)
+                reason = "stop" if stopped else reason
+                upto = len(ids) if self.stop.sent == len(so_far) else tokens_spanning(self.decode, ids, self.stop.sent)
+                if piece or upto > released or reason:
+                    yield piece, ids[released:upto], reason
+                released = upto
                 if reason is not None:
                     return
         finally:
-            self.ticket.cancel()  # a row still running (cut, timed out, or its client gone) leaves the batch
+            self.ticket.cancel()  # a row still running (cut, stopped, timed out, or its client gone) leaves the batch
 
     async def _next(self):
         left = self.arrived + self.limits.request_timeout_s - time.monotonic()
@@ -168,24 +179,25 @@ def create_app(model, backend: Backend, server_limits: ServerLimits = ServerLimi
                            param="model", code="model_not_found")
         request.refuse_unsupported()
         ids, settings, most = _prepare(model, backend, request, prompt, most)
-        return _Decoding(scheduler, ids, settings, most, server_limits), ids
+        return _Decoding(scheduler, ids, settings, most, request.stop, lambda ids: _text(model, ids),
+                         server_limits), ids
 
-    async def finished(decoding: _Decoding) -> tuple[list[int], str]:
-        ids, reason = [], None
-        async for piece, reason in decoding.pieces():
-            ids += piece
+    async def finished(decoding: _Decoding) -> tuple[str, list[int], str]:
+        completion, ids, reason = "", [], None
+        async for piece, piece_ids, reason in decoding.pieces():
+            completion, ids = completion + piece, ids + piece_ids
         metrics.latency.observe(time.monotonic() - decoding.arrived)
-        return ids, reason
+        return completion, ids, reason
 
     async def sse(decoding: _Decoding, chunk) -> AsyncIterator[str]:
-        """Server-sent events: a chunk per block that committed tokens, then `[DONE]`; an error as its
-        own event. Closing the stream (the client went away) cancels the row at its next boundary."""
+        """Server-sent events: a chunk per block that released text or tokens, then `[DONE]`; an error as
+        its own event. Closing the stream (the client went away) cancels the row at its next boundary."""
         first = True
         try:
-            async for ids, reason in decoding.pieces():
+            async for piece, ids, reason in decoding.pieces():
                 if first:
                     metrics.first_block.observe(time.monotonic() - decoding.arrived)
-                yield f"data: {json.dumps(chunk(ids, reason, first))}\n\n"
+                yield f"data: {json.dumps(chunk(piece, ids, reason, first))}\n\n"
                 first = False
             metrics.latency.observe(time.monotonic() - decoding.arrived)
         except ApiError as error:
@@ -198,11 +210,11 @@ def create_app(model, backend: Backend, server_limits: ServerLimits = ServerLimi
         decoding, prompt = start(request, request.prompt, request.max_tokens)
         header = reply_header("text_completion", name)
         if request.stream:
-            def chunk(ids, reason, first):
-                return {**header, "choices": [completion_choice(_text(model, ids), ids, reason)]}
+            def chunk(piece, ids, reason, first):
+                return {**header, "choices": [completion_choice(piece, ids, reason)]}
             return StreamingResponse(sse(decoding, chunk), media_type="text/event-stream")
-        ids, reason = await finished(decoding)
-        return {**header, "choices": [completion_choice(_text(model, ids), ids, reason)],
+        completion, ids, reason = await finished(decoding)
+        return {**header, "choices": [completion_choice(completion, ids, reason)],
                 "usage": usage(len(prompt), len(ids))}
 
     @app.post("/v1/chat/completions")
@@ -218,11 +230,11 @@ def create_app(model, backend: Backend, server_limits: ServerLimits = ServerLimi
         if request.stream:
             header = reply_header("chat.completion.chunk", name)
 
-            def chunk(ids, reason, first):
-                return {**header, "choices": [chat_delta(_text(model, ids), reason, first)]}
+            def chunk(piece, ids, reason, first):
+                return {**header, "choices": [chat_delta(piece, reason, first)]}
             return StreamingResponse(sse(decoding, chunk), media_type="text/event-stream")
-        ids, reason = await finished(decoding)
-        return {**reply_header("chat.completion", name), "choices": [chat_choice(_text(model, ids), reason)],
+        content, ids, reason = await finished(decoding)
+        return {**reply_header("chat.completion", name), "choices": [chat_choice(content, reason)],
                 "usage": usage(len(prompt), len(ids))}
 
     return app

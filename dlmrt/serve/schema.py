@@ -3,7 +3,7 @@
 A request takes every field of OpenAI's Completions or Chat Completions request, and the diffusion
 knobs (`gen_length`, `block_length`, `policy`, `threshold`, `cache`, `steps`) as extra top-level
 fields; any other field is refused (400, naming it). Of OpenAI's fields, dlmrt honours `model`, the
-prompt or messages, `max_tokens` (`max_completion_tokens`), `temperature`, `seed` and `stream`;
+prompt or messages, `max_tokens` (`max_completion_tokens`), `temperature`, `seed`, `stop` and `stream`;
 identifiers and hints (`user`, `metadata`, `safety_identifier`, the `prompt_cache_*` fields,
 `parallel_tool_calls`) change nothing and are taken as they come. Every other field is in
 NO_OP_ONLY: taken at the values that ask for nothing, refused at any other with a 400 that says why
@@ -16,15 +16,16 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from dlmrt.core import limits
 
 # dlmrt's finish reasons as OpenAI names them: a row that committed end-of-sequence stopped
 FINISH_REASONS = {"eos": "stop", "length": "length"}
+MAX_STOP_STRINGS = 4  # as OpenAI
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,7 @@ class OpenAIRequest(BaseModel):
     stream: bool = False
     temperature: float | None = Field(default=None, ge=0.0, le=limits.FLOAT32_MAX)
     seed: int | None = Field(default=None, ge=0, le=limits.MAX_SEED)
+    stop: list[Annotated[str, Field(min_length=1)]] = Field(default=[], max_length=MAX_STOP_STRINGS)
     user: str | None = None
     top_p: float | None = None
     frequency_penalty: float | None = None
@@ -99,6 +101,12 @@ class OpenAIRequest(BaseModel):
     threshold: float | None = None
     cache: Literal["none", "prefix", "dual"] | None = None
     steps: int | None = Field(default=None, ge=1, le=limits.MAX_POSITIONS)
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_strings(cls, stop):
+        """OpenAI's stop is null, a string, or a list of strings."""
+        return [] if stop is None else [stop] if isinstance(stop, str) else stop
 
     def refuse_unsupported(self) -> None:
         """Raise a 400 for the first value dlmrt cannot honour (NO_OP_ONLY)."""
