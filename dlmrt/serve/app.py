@@ -189,30 +189,39 @@ def create_app(model, backend: Backend, server_limits: ServerLimits = ServerLimi
         metrics.latency.observe(time.monotonic() - decoding.arrived)
         return completion, ids, reason
 
-    async def sse(decoding: _Decoding, chunk) -> AsyncIterator[str]:
-        """Server-sent events: a chunk per block that released text or tokens, then `[DONE]`; an error as
-        its own event. Closing the stream (the client went away) cancels the row at its next boundary."""
-        first = True
+    async def sse(decoding: _Decoding, header: dict, choice, prompt_tokens: int, include_usage: bool
+                  ) -> AsyncIterator[str]:
+        """Server-sent events: a chunk per block that released text or tokens, where `include_usage` a last
+        chunk with no choices and the usage, then `[DONE]`; an error as its own event. Closing the stream
+        (the client went away) cancels the row at its next boundary."""
+        first, returned = True, 0
+        no_usage = {"usage": None} if include_usage else {}  # as OpenAI, on every chunk but the last
         try:
             async for piece, ids, reason in decoding.pieces():
                 if first:
                     metrics.first_block.observe(time.monotonic() - decoding.arrived)
-                yield f"data: {json.dumps(chunk(piece, ids, reason, first))}\n\n"
-                first = False
+                event = {**header, "choices": [choice(piece, ids, reason, first)], **no_usage}
+                yield f"data: {json.dumps(event)}\n\n"
+                first, returned = False, returned + len(ids)
             metrics.latency.observe(time.monotonic() - decoding.arrived)
+            if include_usage:
+                yield f"data: {json.dumps({**header, 'choices': [], 'usage': usage(prompt_tokens, returned)})}\n\n"
         except ApiError as error:
             count(error)
             yield f"data: {json.dumps(error.body())}\n\n"
         yield "data: [DONE]\n\n"
+
+    def streamed(request: OpenAIRequest, decoding: _Decoding, header: dict, prompt: list[int], choice):
+        return StreamingResponse(sse(decoding, header, choice, len(prompt), request.include_usage),
+                                 media_type="text/event-stream")
 
     @app.post("/v1/completions")
     async def completions(request: CompletionRequest):
         decoding, prompt = start(request, request.prompt, request.max_tokens)
         header = reply_header("text_completion", name)
         if request.stream:
-            def chunk(piece, ids, reason, first):
-                return {**header, "choices": [completion_choice(piece, ids, reason)]}
-            return StreamingResponse(sse(decoding, chunk), media_type="text/event-stream")
+            return streamed(request, decoding, header, prompt,
+                            lambda piece, ids, reason, first: completion_choice(piece, ids, reason))
         completion, ids, reason = await finished(decoding)
         return {**header, "choices": [completion_choice(completion, ids, reason)],
                 "usage": usage(len(prompt), len(ids))}
@@ -228,11 +237,8 @@ def create_app(model, backend: Backend, server_limits: ServerLimits = ServerLimi
             raise ApiError(400, str(error), param="messages", code="invalid_value") from None
         decoding, prompt = start(request, rendered, request.most_tokens)
         if request.stream:
-            header = reply_header("chat.completion.chunk", name)
-
-            def chunk(piece, ids, reason, first):
-                return {**header, "choices": [chat_delta(piece, reason, first)]}
-            return StreamingResponse(sse(decoding, chunk), media_type="text/event-stream")
+            return streamed(request, decoding, reply_header("chat.completion.chunk", name), prompt,
+                            lambda piece, ids, reason, first: chat_delta(piece, reason, first))
         content, ids, reason = await finished(decoding)
         return {**reply_header("chat.completion", name), "choices": [chat_choice(content, reason)],
                 "usage": usage(len(prompt), len(ids))}

@@ -3,7 +3,8 @@
 A request takes every field of OpenAI's Completions or Chat Completions request, and the diffusion
 knobs (`gen_length`, `block_length`, `policy`, `threshold`, `cache`, `steps`) as extra top-level
 fields; any other field is refused (400, naming it). Of OpenAI's fields, dlmrt honours `model`, the
-prompt or messages, `max_tokens` (`max_completion_tokens`), `temperature`, `seed`, `stop` and `stream`;
+prompt or messages, `max_tokens` (`max_completion_tokens`), `temperature`, `seed`, `stop`, `stream`
+and `stream_options.include_usage`;
 identifiers and hints (`user`, `metadata`, `safety_identifier`, the `prompt_cache_*` fields,
 `parallel_tool_calls`) change nothing and are taken as they come. Every other field is in
 NO_OP_ONLY: taken at the values that ask for nothing, refused at any other with a 400 that says why
@@ -70,12 +71,21 @@ NO_OP_ONLY: dict[str, NoOpOnly] = {
     "reasoning_effort": NoOpOnly(("none",), "dlmrt's models do not reason before they answer: leave "
                                             "reasoning_effort out, or none"),
     "verbosity": NoOpOnly(("medium",), "dlmrt's models take no verbosity: leave verbosity out, or medium"),
+    "stream_options.include_obfuscation": NoOpOnly((False,), "dlmrt does not pad stream events: leave "
+                                                             "include_obfuscation out or false"),
 }
 
 
 def _asks_nothing(value: Any, accepted: tuple) -> bool:
     # by type too: a completion's logprobs=0 is no `false`, though 0 == False in Python
     return value is None or any(type(value) is type(ok) and value == ok for ok in accepted)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool | None = None
+    include_obfuscation: bool | None = None
 
 
 class OpenAIRequest(BaseModel):
@@ -86,6 +96,7 @@ class OpenAIRequest(BaseModel):
     model: str
     max_tokens: int | None = Field(default=None, ge=1, le=limits.MAX_POSITIONS)
     stream: bool = False
+    stream_options: StreamOptions | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=limits.FLOAT32_MAX)
     seed: int | None = Field(default=None, ge=0, le=limits.MAX_SEED)
     stop: list[Annotated[str, Field(min_length=1)]] = Field(default=[], max_length=MAX_STOP_STRINGS)
@@ -111,8 +122,17 @@ class OpenAIRequest(BaseModel):
     def refuse_unsupported(self) -> None:
         """Raise a 400 for the first value dlmrt cannot honour (NO_OP_ONLY)."""
         for field, rule in NO_OP_ONLY.items():
-            if not _asks_nothing(getattr(self, field, None), rule.accepted):
+            outer, _, inner = field.partition(".")
+            value = getattr(self, outer, None)
+            if not _asks_nothing(getattr(value, inner, None) if inner else value, rule.accepted):
                 raise ApiError(400, f"{field}: {rule.why}", param=field, code="unsupported_value")
+        if self.stream_options is not None and not self.stream:
+            raise ApiError(400, "stream_options: only allowed with stream: true", param="stream_options",
+                           code="invalid_value")
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
 
 
 class CompletionRequest(OpenAIRequest):
