@@ -39,6 +39,15 @@ def test_a_completion_is_the_generators_tokens(client, model):
     assert reply["usage"]["completion_tokens"] == len(expected)
 
 
+def test_a_seed_makes_sampling_reproducible(client, model):
+    """At temperature 1.5 the tiny model's answer to "rev:abcdefghij=" varies with the seed."""
+    def sampled(seed: int) -> str:
+        body = {"model": model.name, "prompt": "rev:abcdefghij=", "temperature": 1.5, "seed": seed}
+        return client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+
+    assert sampled(7) == sampled(7) != sampled(8)
+
+
 def test_max_tokens_cuts_the_completion(client, model):
     reply = client.post("/v1/completions", json={"model": model.name, "prompt": "rev:abcdefghij=",
                                                   "max_tokens": 3}).json()

@@ -99,6 +99,33 @@ def test_the_openai_client_works_unchanged(model):
             client.completions.create(model=model.name, prompt="x", max_tokens=-1)
 
 
+def test_the_openai_client_with_stop_seed_top_p_and_stream_options(model):
+    """The tiny model answers "add:762+139=" with "0901" (a token a character): the stop string "1" leaves
+    "090", 3 tokens after a prompt of 12."""
+    openai = pytest.importorskip("openai")
+    app = create_app(model, TorchBackend(model, mode="eager"), chat_template=load_chat_template(dlmrt.TINY_MODEL_DIR))
+    with LiveServer(app) as live:
+        client = openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        asked = dict(model=model.name, stop=["1"], seed=3, top_p=1)
+        completion = client.completions.create(prompt="add:762+139=", **asked)
+        assert completion.choices[0].text == "090" and completion.choices[0].finish_reason == "stop"
+        assert completion.usage.completion_tokens == 3
+        sampled = [client.completions.create(model=model.name, prompt="rev:abcdefghij=", temperature=1.5, seed=seed,
+                                             top_p=1).choices[0].text for seed in (7, 7, 8)]
+        assert sampled[0] == sampled[1] != sampled[2]
+        streamed = list(client.completions.create(prompt="add:762+139=", stream=True,
+                                                  stream_options={"include_usage": True},
+                                                  extra_body={"block_length": 2}, **asked))
+        assert "".join(chunk.choices[0].text for chunk in streamed[:-1]) == "090"
+        assert streamed[-1].choices == [] and streamed[-1].usage.completion_tokens == 3
+        chat = list(client.chat.completions.create(messages=[{"role": "user", "content": "add:762+139="}],
+                                                   stream=True, stream_options={"include_usage": True}, **asked))
+        assert "".join(chunk.choices[0].delta.content or "" for chunk in chat[:-1]) == "090"
+        assert chat[-2].choices[0].finish_reason == "stop" and chat[-1].usage.total_tokens == 15
+        with pytest.raises(openai.BadRequestError, match="nucleus"):
+            client.completions.create(prompt="add:762+139=", model=model.name, top_p=0.9)
+
+
 def test_concurrent_requests_batch_and_each_gets_its_tokens_alone(model):
     backend = slowed(TorchBackend(model, mode="eager", max_batch=8), 0.01)
     app = create_app(model, backend)
