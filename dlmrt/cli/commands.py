@@ -268,8 +268,10 @@ def generate(model_dir, prompts, prompt_ids, ignore_eos, backend, mode, max_batc
               help="Also export the classifier-free-guidance graphs (for generate --cfg-scale).")
 @click.option("--verify", is_flag=True,
               help="Compare each graph with the torch step under Polygraphy (fp32 tolerances).")
+@click.option("--verbose", is_flag=True, help="With --verify: also print Polygraphy's comparison log.")
 @reports_errors
-def export_command(model_dir, output, opset, dtype, block_length, max_batch, max_length, guidance, verify):
+def export_command(model_dir, output, opset, dtype, block_length, max_batch, max_length, guidance, verify,
+                   verbose):
     """Export the step graphs of MODEL_DIR (default: the tiny model) to ONNX, with a manifest."""
     require_onnx_extra()
     from rich.console import Console
@@ -296,14 +298,18 @@ def export_command(model_dir, output, opset, dtype, block_length, max_batch, max
         table.add_row(name, f"{(output / name).stat().st_size:,}", digest[:16])
     Console().print(table)
     if verify:
-        from dlmrt.export.verify import compare_with_torch
+        from dlmrt.export.verify import checks_table, compare_with_torch
 
-        grid = manifest.model.block_grid
-        failed = [graph for graph, ok in compare_with_torch(model, output, grid).items() if not ok]
+        with step_progress(console, "verifying: graph {task.completed} of %d" % len(manifest.graphs)) as advance:
+            checks = compare_with_torch(model, output, manifest.model.block_grid, verbose=verbose,
+                                        on_graph=lambda graph: advance())
+        Console().print(checks_table(checks))
+        failed = [graph for graph, check in checks.items() if not check.passed]
         if failed:
             raise UserError(f"{', '.join(failed)}: ONNX Runtime's outputs differ from the torch step's "
-                            f"beyond fp32 tolerances (see Polygraphy's report above)")
-        click.echo("verified: every graph matches the torch step (Polygraphy, fp32 tolerances)")
+                            f"beyond fp32 tolerances")
+        compared = ", ".join(next(iter(checks.values())).outputs)
+        click.echo(f"verified: every graph's outputs ({compared}) match the torch step's")
 
 
 def step_progress(console, label: str = "denoising: step {task.completed}"):

@@ -13,7 +13,7 @@ pytest.importorskip("onnxruntime", reason="the ONNX path needs the 'onnx' extra"
 import dlmrt  # noqa: E402
 from dlmrt.core import tasks  # noqa: E402
 from dlmrt.core.errors import ArgumentError, CheckpointError, UnsupportedFeatureError  # noqa: E402
-from dlmrt.export import onnx_export  # noqa: E402
+from dlmrt.export import checkpoint, onnx_export  # noqa: E402
 from dlmrt.export.export_manifest import MANIFEST_FILE, ExportLimits, ExportManifest  # noqa: E402
 from dlmrt.runtime import (  # noqa: E402
     CACHE_MODES, Factor, Fixed, GenerationSettings, Generator, LLaDA2, ResidualPolicy, Threshold, text)
@@ -207,7 +207,7 @@ def test_polygraphy_finds_each_graph_equal_to_the_torch_step(exported, name):
     model, directory = exported[name]
     results = compare_with_torch(model, directory, grid=4 if model.block_causal else None)
     expected = ["full", "cached"] + (["full_guided", "cached_guided"] if name != "tiny" else [])
-    assert sorted(results) == sorted(expected) and all(results.values())
+    assert sorted(results) == sorted(expected) and all(check.passed for check in results.values())
 
 
 def test_polygraphy_sees_a_different_model(exported):
@@ -215,7 +215,26 @@ def test_polygraphy_sees_a_different_model(exported):
 
     _, directory = exported["llada"]
     other = random_model(LLADA, seed=9)  # same shapes, other weights
-    assert not any(compare_with_torch(other, directory).values())
+    assert not any(check.passed for check in compare_with_torch(other, directory).values())
+
+
+def test_export_verify_prints_a_short_result_and_no_polygraphy_log(tmp_path):
+    """What a user sees: the files, one line a graph with its largest differences, a verdict; no
+    Polygraphy log (that is --verbose), no warning about its colours, no numpy RuntimeWarning."""
+    import subprocess
+    import sys
+
+    model_dir = checkpoint.save(random_model(LLADA), tmp_path / "model")
+    result = subprocess.run([sys.executable, "-m", "dlmrt.cli", "export", str(model_dir), "-o", str(tmp_path / "out"),
+                             "--max-batch", "2", "--max-length", "32", "--verify"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    output = result.stdout + result.stderr
+    assert len(output.splitlines()) < 25, output
+    assert "verified: every graph's outputs" in output
+    assert all(f"{graph} " in output for graph in ("full", "cached")), output
+    for noise in ("[I]", "[W]", "Polygraphy", "colored", "RuntimeWarning"):
+        assert noise not in output, noise
 
 
 def test_an_export_killed_midway_leaves_nothing_that_loads(tmp_path):
