@@ -1,13 +1,17 @@
-"""`dlmrt serve`: the OpenAI-compatible server (`dlmrt.serve.app`) on uvicorn."""
+"""`dlmrt serve`: the OpenAI-compatible server (`dlmrt.serve.app`) on uvicorn, logging through uvicorn's
+loggers at --log-level (at info: the model served, the address, a line a request)."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import click
 
 from dlmrt.cli.backends import BACKENDS
 from dlmrt.cli.errors import reports_errors, require_serve_extra
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's
 
 
 @click.command("serve")
@@ -29,9 +33,11 @@ from dlmrt.cli.errors import reports_errors, require_serve_extra
 @click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True), default=600.0, show_default=True,
               help="Seconds from a request's arrival to its last token; past it, 504.")
 @click.option("--served-model-name", default=None, help="The name clients use [default: the model's].")
+@click.option("--log-level", type=click.Choice(LOG_LEVELS), default="info", show_default=True,
+              help="uvicorn's and dlmrt's: info logs the model, the address it listens on, and a line a request.")
 @reports_errors
 def serve_command(model_dir, backend, mode, device, dtype, max_batch, host, port, max_queue, request_timeout,
-                  served_model_name):
+                  served_model_name, log_level):
     """Serve the model over the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /health,
     /metrics), with continuous batching at block boundaries."""
     require_serve_extra()
@@ -48,4 +54,14 @@ def serve_command(model_dir, backend, mode, device, dtype, max_batch, host, port
                                 engines=None, precision=None, console=console)
     app = create_app(model, built, ServerLimits(max_queue=max_queue, request_timeout_s=request_timeout),
                      served_model_name, chat_template=load_chat_template(model_dir or TINY_MODEL_DIR))
-    uvicorn.run(app, host=host, port=port, log_level="warning")
+    uvicorn.run(app, host=host, port=port, log_level=log_level, log_config=_logging(log_level))
+
+
+def _logging(level: str) -> dict:
+    """uvicorn's logging (its ready line on stderr, its access log on stdout), and dlmrt's loggers on its
+    handler at the same level."""
+    from uvicorn.config import LOGGING_CONFIG
+
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config["loggers"]["dlmrt"] = {"handlers": ["default"], "level": level.upper(), "propagate": False}
+    return config

@@ -18,7 +18,8 @@ chat template (tokenizer_config.json, `dlmrt.core.chat_template`); a model witho
 Limits and faults: a full queue answers 429; a request past its time limit answers 504 and leaves
 the batch; a client that disconnects from a stream cancels its row at its next block boundary; an
 exception inside one request answers 500 for it alone. At shutdown (SIGTERM, through uvicorn) the
-server stops listening, the requests it holds finish, then the worker stops.
+server stops listening, the requests it holds finish, then the worker stops. At startup it logs what
+it serves (the `dlmrt.serve.app` logger; `dlmrt serve` puts it beside uvicorn's).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -43,6 +45,8 @@ from dlmrt.runtime.backend import Backend
 from dlmrt.runtime.scheduler import Failed, Finished, QueueFull, Scheduler, ShuttingDown
 from dlmrt.serve.metrics import ServerMetrics
 from dlmrt.serve.stop_strings import StopScan, tokens_spanning
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -122,6 +126,8 @@ def create_app(model, backend: Backend, server_limits: ServerLimits = ServerLimi
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        logger.info("serving %s: %s, mode %s, max batch %d", name, type(backend).__name__, backend.executor.mode,
+                    backend.ladder.max_batch)
         yield
         await asyncio.to_thread(scheduler.stop)  # uvicorn has let the requests it holds finish
 

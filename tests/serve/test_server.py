@@ -95,8 +95,11 @@ def test_malformed_json_and_oversized_bodies(client):
     assert client.get("/health").status_code == 200
 
 
-def test_dlmrt_serve_answers_on_loopback_and_stops_on_sigterm(tmp_path):
-    """The command itself: uvicorn on 127.0.0.1 at a free port, /health answers, SIGTERM ends it."""
+@pytest.mark.parametrize("log_level", [None, "warning"], ids=["default", "warning"])
+def test_dlmrt_serve_answers_on_loopback_logs_and_stops_on_sigterm(log_level):
+    """The command itself: uvicorn on 127.0.0.1 at a free port, /health answers, SIGTERM ends it. At the
+    default --log-level (info) it logs the model, uvicorn's ready line and a line a request; at warning,
+    none of them."""
     import os
     import signal
     import socket
@@ -109,8 +112,10 @@ def test_dlmrt_serve_answers_on_loopback_and_stops_on_sigterm(tmp_path):
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "dlmrt.cli", "serve", "--mode", "eager", "--port", str(port)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "NO_COLOR": "1"})
+    levels = [] if log_level is None else ["--log-level", log_level]
+    server = subprocess.Popen([sys.executable, "-m", "dlmrt.cli", "serve", "--mode", "eager", "--port", str(port),
+                               *levels], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              env={**os.environ, "NO_COLOR": "1"})
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -129,6 +134,14 @@ def test_dlmrt_serve_answers_on_loopback_and_stops_on_sigterm(tmp_path):
     finally:
         if server.poll() is None:
             server.kill()
+    logged = [line for line in server.stdout.read().decode().splitlines() if line.startswith("INFO:")]
+    expected = ["serving tiny-llada: TorchBackend, mode eager, max batch 64",
+                f"Uvicorn running on http://127.0.0.1:{port}", '"GET /health HTTP/1.1" 200',
+                '"POST /v1/completions HTTP/1.1" 200']
+    if log_level is None:
+        assert all(any(part in line for line in logged) for part in expected), logged
+    else:
+        assert logged == []
 
 
 def test_a_request_past_its_time_limit_gets_504_and_leaves_the_batch(model):
