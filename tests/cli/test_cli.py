@@ -269,3 +269,27 @@ def test_the_tiny_model_warns_once_off_its_trained_length(capsys, gen_length, wa
     expected = ["Warning: tiny-llada was trained to generate exactly 16 tokens: at gen-length 32 it answers "
                 "nonsense. Use --gen-length 16 (or leave it out)"]
     assert warnings == (expected if warned else [])
+
+
+@pytest.mark.parametrize("argv, advice", [
+    (["serve"], "pip install 'dlmrt[serve]'"),  # uvicorn hidden below
+    (["generate", "--backend", "ort", "--model", "/no/such/dir", "--prompt", "x"], "/no/such/dir does not exist"),
+    (["eval", "--backend", "ort", "--model", "/no/such/dir"], "/no/such/dir does not exist"),
+    (["serve", "--backend", "ort", "--model", "/no/such/dir"], "/no/such/dir does not exist"),
+    (["generate", "--prompt", "x", "--policy", "treshold"], "did you mean 'threshold'?"),
+    (["generate", "/no/a", "--model", "/no/b", "--prompt", "x"], "give the model once"),
+    (["generate", "--prompt", "rev:ABC="], "characters not in its vocabulary"),
+    (["bench", "--backend", "tensorrt"], "give torch[:eager|compile|cudagraph|auto], ort or reference"),
+])
+def test_an_ordinary_mistake_is_one_line_that_says_what_to_do(monkeypatch, capsys, argv, advice):
+    """Through the installed command's guard: exit status 2, one 'Error:' line with the advice, and never
+    'a bug in dlmrt'."""
+    from dlmrt.cli.errors import guarded
+
+    if argv == ["serve"]:
+        monkeypatch.setitem(sys.modules, "uvicorn", None)
+    status = guarded(main, argv)
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("Error:")]
+    assert status == 2 and len(errors) == 1 and advice in errors[0], err
+    assert "bug in dlmrt" not in err and "Traceback" not in err
