@@ -33,6 +33,9 @@ from dlmrt.core.errors import ArgumentError
 BENCH_FORMAT_VERSION = 1
 TORCH_MODES = ("eager", "compile", "cudagraph", "auto")
 POLICIES = ("fixed", "threshold", "factor", "llada2", "entropy_bound")
+# The results table's width where the output is no terminal (on a terminal, the terminal's): the
+# default table fits 100 columns, the --wide one about 170.
+TABLE_WIDTH, WIDE_TABLE_WIDTH = 100, 180
 
 
 def parse_backends(spec: str) -> list[tuple[str, str | None]]:
@@ -112,6 +115,8 @@ SCENARIO_OPTIONS = ("model_name", "backend_spec", "batch_size", "input_len", "ou
 @click.option("--device", type=click.Choice(("cpu", "cuda")), default="cpu", show_default=True)
 @click.option("--seed", type=click.IntRange(0, limits.MAX_SEED), default=0, show_default=True,
               help="Seeds the prompts.")
+@click.option("--wide", is_flag=True, help="A wider table: also each case's tokens/s range, p90 step time, latency, "
+                                           "host share, peak memory and token digest.")
 @click.option("--output-json", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="Also write the results, settings and environment as JSON.")
 @click.option("--suite", type=click.Path(path_type=Path, dir_okay=False, exists=True), default=None,
@@ -132,8 +137,8 @@ SCENARIO_OPTIONS = ("model_name", "backend_spec", "batch_size", "input_len", "ou
                                        "speed-quality points (needs matplotlib).")
 @click.pass_context
 @reports_errors
-def bench_command(ctx, output_json, suite, scenario_names, baseline, check, update_baseline, summary, junit, history,
-                  plot_path, **options):
+def bench_command(ctx, wide, output_json, suite, scenario_names, baseline, check, update_baseline, summary, junit,
+                  history, plot_path, **options):
     """Latency and throughput of generate: tokens/s, TPF, NFE, latency per request and per step."""
     from rich.console import Console
 
@@ -152,7 +157,7 @@ def bench_command(ctx, output_json, suite, scenario_names, baseline, check, upda
                                    "need --suite")
         scenario = Scenario(model=options["model_name"], backends=tuple(options["backend_spec"].split(",")),
                             **{k: v for k, v in options.items() if k not in ("model_name", "backend_spec")})
-        results = {scenario.name: run_scenario(scenario, Console(stderr=True))}
+        results = {scenario.name: run_scenario(scenario, Console(stderr=True), wide)}
         suite_name = None
     else:
         given = [name for name in SCENARIO_OPTIONS
@@ -171,10 +176,10 @@ def bench_command(ctx, output_json, suite, scenario_names, baseline, check, upda
         if unknown:
             raise ArgumentError(f"{suite} has no scenario {unknown[0]!r} (it has: {', '.join(sorted(known))})")
         scenarios = [s for s in scenarios if not scenario_names or s.name in scenario_names]
-        results = {s.name: run_scenario(s, Console(stderr=True)) for s in scenarios}
+        results = {s.name: run_scenario(s, Console(stderr=True), wide) for s in scenarios}
         if check:
             try:
-                gate(suite_name, scenarios, results, expected, summary, junit)
+                gate(suite_name, scenarios, results, expected, summary, junit, wide)
             except click.ClickException as error:  # the run still goes into the history and the plot
                 failed = error
         if update_baseline:
@@ -197,7 +202,7 @@ def bench_command(ctx, output_json, suite, scenario_names, baseline, check, upda
         raise failed
 
 
-def gate(suite_name: str, scenarios, results: dict, expected: dict, summary, junit) -> None:
+def gate(suite_name: str, scenarios, results: dict, expected: dict, summary, junit, wide: bool) -> None:
     """Check every scenario; a slower ratio is run again and counts only if it repeats."""
     from rich.console import Console
 
@@ -205,7 +210,7 @@ def gate(suite_name: str, scenarios, results: dict, expected: dict, summary, jun
     for scenario in scenarios:
         changed, slower = bench_suite.check(scenario.name, results[scenario.name], expected)
         if slower:
-            results[scenario.name] = again = run_scenario(scenario, Console(stderr=True))
+            results[scenario.name] = again = run_scenario(scenario, Console(stderr=True), wide)
             changed_again, slower_again = bench_suite.check(scenario.name, again, expected)
             repeated = {(f.case, f.figure) for f in slower}
             slower = [f for f in slower_again if (f.case, f.figure) in repeated]
@@ -227,8 +232,9 @@ def write_json(path: Path, suite_name: str | None, results: dict) -> None:
     atomic.write_text(path, json.dumps(document, indent=2) + "\n")
 
 
-def run_scenario(scenario: Scenario, console) -> dict:
-    """One scenario, every case side by side: its table printed, its rows and settings returned."""
+def run_scenario(scenario: Scenario, console, wide: bool) -> dict:
+    """One scenario, every case side by side: its table printed (`wide`: with every column), its rows
+    and settings returned."""
     import torch
     from rich.console import Console
     from rich.progress import Progress
@@ -264,9 +270,9 @@ def run_scenario(scenario: Scenario, console) -> dict:
         examples = tasks.examples("test", scenario.exact_match_per_task, seed=0)
         exact = evaluation.exact_match(model, examples, dataclasses.replace(settings, ignore_eos=False),
                                        mode="eager").mean
-    Console(width=None if sys.stdout.isatty() else 170).print(
+    Console(width=None if sys.stdout.isatty() else WIDE_TABLE_WIDTH if wide else TABLE_WIDTH).print(
         results_table(rows, f"{scenario.name}: {model.name}", scenario.batch_size, scenario.input_len, settings,
-                      exact))
+                      exact, wide))
     return {"scenario": bench_suite.scenario_dict(scenario), "model": model.name,
             "settings": {"policy": policy.name, **dataclasses.asdict(policy), "cache": cache,
                          "block_length": block_length, "dtype": str(model.dtype)},
@@ -331,24 +337,36 @@ def run_cases(cases, iters: int, warmups: int, progress) -> list[dict]:
     return measure(cases, iters, progress, "benchmarking", warmups=warmups)
 
 
-def results_table(rows: list[dict], title: str, batch: int, input_len: int, settings, exact_match: float | None):
+def results_table(rows: list[dict], title: str, batch: int, input_len: int, settings, exact_match: float | None,
+                  wide: bool = False):
+    """What comparing cases needs first (speed, its ratio, steps, time a step, the same tokens), in
+    100 columns; `wide` adds the ranges and p90s, latency, host share, peak memory and token digest."""
     from rich.table import Table
 
     from dlmrt.core.limits import size
 
+    same = {None: "-", True: "yes", False: "NO"}
+    columns = [("case", lambda row: row["setting"]),
+               ("tokens/s", lambda row: f"{row['tokens_per_s']:.1f}"),
+               (f"vs {rows[0]['setting']}", lambda row: f"{row['speedup']:.2f}x"),
+               ("TPF", lambda row: f"{row['tpf']:.2f}"),
+               ("NFE", lambda row: str(row["nfe"])),
+               ("ms/step", lambda row: f"{row['step_p50_s'] * 1e3:.2f}"),
+               ("same tokens", lambda row: same[row["same_tokens"]])]
+    if wide:
+        columns += [("tokens/s range", lambda row: "{:.1f}-{:.1f}".format(*row["tokens_per_s_range"])),
+                    ("ms/step p90", lambda row: f"{row['step_p90_s'] * 1e3:.2f}"),
+                    ("latency p50 / p90 (ms)",
+                     lambda row: f"{row['latency_p50_s'] * 1e3:.1f} / {row['latency_p90_s'] * 1e3:.1f}"),
+                    ("host", lambda row: f"{row['host_fraction']:.1%}"),
+                    ("peak memory", lambda row: size(row["peak_memory_bytes"]) if row["peak_memory_bytes"] else "-"),
+                    ("tokens", lambda row: row["tokens_sha256"][:12])]
     exact = f", exact match {exact_match:.1%}" if exact_match is not None else ""
     table = Table(title=f"{title}: batch {batch}, input {input_len}, output {settings.gen_length} in blocks of "
-                        f"{settings.block_length}, {settings.policy.name}, cache {settings.cache}{exact}")
-    for column in ("case", "tokens/s (median, range)", f"vs {rows[0]['setting']}", "TPF", "NFE",
-                   "latency p50 / p90", "step p50 / p90", "host", "peak memory", "tokens", "same tokens"):
-        table.add_column(column, justify="left" if column in ("case", "tokens") else "right")
+                        f"{settings.block_length}, {settings.policy.name}, cache {settings.cache}{exact}",
+                  caption=None if wide else "medians of the timed runs; --wide adds ranges, p90s, latency, memory")
+    for header, _ in columns:
+        table.add_column(header, justify="left" if header in ("case", "tokens") else "right")
     for row in rows:
-        low, high = row["tokens_per_s_range"]
-        same = {None: "-", True: "yes", False: "NO"}[row["same_tokens"]]
-        table.add_row(row["setting"], f"{row['tokens_per_s']:.1f} ({low:.1f}-{high:.1f})", f"{row['speedup']:.2f}x",
-                      f"{row['tpf']:.2f}", str(row["nfe"]),
-                      f"{row['latency_p50_s'] * 1e3:.1f} / {row['latency_p90_s'] * 1e3:.1f} ms",
-                      f"{row['step_p50_s'] * 1e3:.2f} / {row['step_p90_s'] * 1e3:.2f} ms",
-                      f"{row['host_fraction']:.1%}", size(row["peak_memory_bytes"]) if row["peak_memory_bytes"]
-                      else "-", row["tokens_sha256"][:12], same)
+        table.add_row(*(cell(row) for _, cell in columns))
     return table

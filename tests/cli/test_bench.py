@@ -218,3 +218,44 @@ def test_the_ort_case_without_the_onnx_extra_names_it(monkeypatch):
     monkeypatch.delitem(sys.modules, "dlmrt.export.onnx_export", raising=False)
     result = bench("--backend", "torch:eager,ort", "--num-iters", 1)
     assert result.exit_code == 2 and "pip install 'dlmrt[onnx]'" in result.output, result.output
+
+
+def realistic_rows() -> list[dict]:
+    """Rows as measure() and run_scenario() give them, with long labels and wide numbers."""
+    def row(setting, tokens_per_s, nfe, same_tokens):
+        step_s = 32 / tokens_per_s / nfe
+        return {"setting": setting, "tokens_per_s": tokens_per_s, "tokens_per_s_range": [0.9 * tokens_per_s,
+                                                                                           1.2 * tokens_per_s],
+                "speedup": tokens_per_s / 20298.4, "tpf": 32 / nfe, "nfe": nfe, "step_p50_s": step_s,
+                "step_p90_s": 1.3 * step_s, "latency_p50_s": step_s * nfe, "latency_p90_s": 1.3 * step_s * nfe,
+                "host_fraction": 0.004, "peak_memory_bytes": 401 << 20, "tokens_sha256": "13cc2d27c600a1b2",
+                "same_tokens": same_tokens}
+    return [row("torch:cudagraph", 20298.4, 5, True), row("torch:compile", 16844.1, 5, True),
+            row("ort", 12623.9, 5, False), row("reference", 9.8, 1024, None)]
+
+
+def test_the_table_fits_a_terminal_of_100_columns():
+    import io
+
+    from rich.console import Console
+
+    from dlmrt.cli.bench import results_table
+    from dlmrt.runtime import GenerationSettings, Threshold
+
+    settings = GenerationSettings(1024, 32, Threshold(0.9), cache="dual")
+    out = io.StringIO()
+    Console(file=out, width=100).print(results_table(realistic_rows(), "bench: tiny-llada", 64, 512, settings, 0.9375))
+    lines = out.getvalue().splitlines()
+    assert max(map(len, lines)) <= 100, out.getvalue()
+    assert "…" not in out.getvalue()
+    body = [line for line in lines if line.startswith("│")]
+    assert len(body) == 4, out.getvalue()  # one line a case: no cell wrapped
+    for cells in (["torch:cudagraph", "20298.4", "1.00x", "6.40", "5", "yes"], ["reference", "9.8", "1024", "-"]):
+        line = next(line for line in body if cells[0] in line)
+        assert all(f" {cell} " in line for cell in cells), line
+
+
+def test_the_printed_table_is_at_most_100_columns_wide():
+    result = bench("--output-len", 8, "--block-length", 8, "--num-iters", 1, "--num-iters-warmup", 0)
+    assert result.exit_code == 0, result.output
+    assert "tokens/s" in result.output and max(map(len, result.output.splitlines())) <= 100, result.output
