@@ -4,19 +4,18 @@ loggers at --log-level (at info: the model served, the address, a line a request
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 
 import click
 
 from dlmrt.cli.backends import BACKENDS
 from dlmrt.cli.errors import reports_errors, require_serve_extra
+from dlmrt.cli.model_param import model_param
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's
 
 
 @click.command("serve")
-@click.option("--model", "model_dir", type=click.Path(path_type=Path), default=None,
-              help="A model directory, or an export for --backend ort/trt [default: the tiny model].")
+@model_param(help="A model directory, or an export for --backend ort/trt [default: the tiny model].")
 @click.option("--backend", type=click.Choice(BACKENDS), default="torch", show_default=True)
 @click.option("--mode", type=click.Choice(("auto", "eager", "compile", "cudagraph")), default="auto",
               show_default=True, help="torch backend: how the steps run. auto: CUDA graphs on a GPU, eager on a CPU "

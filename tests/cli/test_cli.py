@@ -240,7 +240,7 @@ def test_the_model_may_come_as_an_argument(model_dir):
     assert json.loads(positional.output)["metrics"]["nfe"] == 8  # model_dir's own generation_config, not the tiny's
 
 
-@pytest.mark.parametrize("command", [["generate", "--prompt-ids", "5"], ["eval"], ["bench"]])
+@pytest.mark.parametrize("command", [["generate", "--prompt-ids", "5"], ["eval"], ["bench"], ["serve"]])
 def test_a_model_given_twice_differently_is_one_usage_line(tmp_path, command):
     result = run(*command, tmp_path / "a", "--model", tmp_path / "b")
     assert result.exit_code == 2, result.output
@@ -276,6 +276,7 @@ def test_the_tiny_model_warns_once_off_its_trained_length(capsys, gen_length, wa
     (["generate", "--backend", "ort", "--model", "/no/such/dir", "--prompt", "x"], "/no/such/dir does not exist"),
     (["eval", "--backend", "ort", "--model", "/no/such/dir"], "/no/such/dir does not exist"),
     (["serve", "--backend", "ort", "--model", "/no/such/dir"], "/no/such/dir does not exist"),
+    (["serve", "/no/such/dir"], "/no/such/dir does not exist"),  # the model as vLLM's `serve MODEL` takes it
     (["generate", "--prompt", "x", "--policy", "treshold"], "did you mean 'threshold'?"),
     (["generate", "/no/a", "--model", "/no/b", "--prompt", "x"], "give the model once"),
     (["generate", "--prompt", "rev:ABC="], "characters not in its vocabulary"),
