@@ -71,7 +71,8 @@ class Executor:
         started = time.perf_counter()
         graphs = self.graphs(state, program)
         if self.mode != "eager" and self.on_compile is not None:
-            self.on_compile(f"{_DO[self.mode]}: {steps} step(s) for {program.describe(state)} (once per shape per process)")
+            self.on_compile(f"{_DO[self.mode]}: {steps} step(s) for {program.describe(state)} "
+                            f"(once per shape per process)")
         try:
             runner = self._build(state, program, graphs, steps)
         except Exception as error:  # noqa: BLE001  (any compile or capture failure)
