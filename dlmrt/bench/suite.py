@@ -291,8 +291,9 @@ def write_plot(history: list[dict], path: Path, title: str) -> None:
     for scenario, found in latest.items():
         if found.get("exact_match") is not None:
             tpf = max(figures["tpf"] for figures in found["cases"].values())
-            quality.scatter([tpf], [100 * found["exact_match"]])
-            quality.annotate(scenario, (tpf, 100 * found["exact_match"]), textcoords="offset points",
+            percent = 100 * found["exact_match"]["correct"] / found["exact_match"]["total"]
+            quality.scatter([tpf], [percent])
+            quality.annotate(scenario, (tpf, percent), textcoords="offset points",
                              xytext=(4, 4), fontsize=7)
     quality.set_xlabel("tokens per forward (TPF)")
     quality.set_ylabel("exact match (%)")

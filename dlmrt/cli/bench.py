@@ -267,9 +267,14 @@ def run_scenario(scenario: Scenario, console, wide: bool) -> dict:
         from dlmrt.eval import evaluation
         from dlmrt.core import tasks
 
+        from dlmrt.runtime.settings import lengths_with_defaults
+
+        # at the model's own lengths: the tiny model knows one, and scores 0 at the scenario's output_len
+        gen_length, scored_block = lengths_with_defaults(model, None, None)
         examples = tasks.examples("test", scenario.exact_match_per_task, seed=0)
-        exact = evaluation.exact_match(model, examples, dataclasses.replace(settings, ignore_eos=False),
-                                       mode="eager").mean
+        score = evaluation.exact_match(model, examples, dataclasses.replace(
+            settings, gen_length=gen_length, block_length=scored_block, ignore_eos=False), mode="eager")
+        exact = {"correct": score.correct, "total": score.total}
     Console(width=None if sys.stdout.isatty() else WIDE_TABLE_WIDTH if wide else TABLE_WIDTH).print(
         results_table(rows, f"{scenario.name}: {model.name}", scenario.batch_size, scenario.input_len, settings,
                       exact, wide))
@@ -337,7 +342,7 @@ def run_cases(cases, iters: int, warmups: int, progress) -> list[dict]:
     return measure(cases, iters, progress, "benchmarking", warmups=warmups)
 
 
-def results_table(rows: list[dict], title: str, batch: int, input_len: int, settings, exact_match: float | None,
+def results_table(rows: list[dict], title: str, batch: int, input_len: int, settings, exact_match: dict | None,
                   wide: bool = False):
     """What comparing cases needs first (speed, its ratio, steps, time a step, the same tokens), in
     100 columns; `wide` adds the ranges and p90s, latency, host share, peak memory and token digest."""
@@ -361,7 +366,7 @@ def results_table(rows: list[dict], title: str, batch: int, input_len: int, sett
                     ("host", lambda row: f"{row['host_fraction']:.1%}"),
                     ("peak memory", lambda row: size(row["peak_memory_bytes"]) if row["peak_memory_bytes"] else "-"),
                     ("tokens", lambda row: row["tokens_sha256"][:12])]
-    exact = f", exact match {exact_match:.1%}" if exact_match is not None else ""
+    exact = f", exact match {exact_match['correct']}/{exact_match['total']}" if exact_match is not None else ""
     table = Table(title=f"{title}: batch {batch}, input {input_len}, output {settings.gen_length} in blocks of "
                         f"{settings.block_length}, {settings.policy.name}, cache {settings.cache}{exact}",
                   caption=None if wide else "medians of the timed runs; --wide adds ranges, p90s, latency, memory")

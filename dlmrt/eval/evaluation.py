@@ -48,6 +48,8 @@ class EvalScore:
     # task with several right answers (`dlmrt.core.tasks.VERIFIERS`) what its verifier accepts.
     per_task: dict[str, float]
     metrics: GenerationMetrics  # all batches together
+    correct: int = 0  # right answers over every task, of `total` examples
+    total: int = 0
 
     @property
     def mean(self) -> float:
@@ -137,7 +139,8 @@ def _score(generator: Generator, model: Denoiser | ExportedModel, examples: Sequ
         metrics.append(result.metrics)
         if on_batch is not None:
             on_batch(len(batch))
-    return EvalScore({task: right[task] / total[task] for task in total}, GenerationMetrics.combine(metrics))
+    return EvalScore({task: right[task] / total[task] for task in total}, GenerationMetrics.combine(metrics),
+                     correct=sum(right.values()), total=sum(total.values()))
 
 
 # -- examples from a file -------------------------------------------------------------------------

@@ -244,7 +244,8 @@ def test_the_table_fits_a_terminal_of_100_columns():
 
     settings = GenerationSettings(1024, 32, Threshold(0.9), cache="dual")
     out = io.StringIO()
-    Console(file=out, width=100).print(results_table(realistic_rows(), "bench: tiny-llada", 64, 512, settings, 0.9375))
+    Console(file=out, width=100).print(results_table(realistic_rows(), "bench: tiny-llada", 64, 512, settings,
+                                                     {"correct": 75, "total": 80}))
     lines = out.getvalue().splitlines()
     assert max(map(len, lines)) <= 100, out.getvalue()
     assert "…" not in out.getvalue()
@@ -259,3 +260,23 @@ def test_the_printed_table_is_at_most_100_columns_wide():
     result = bench("--output-len", 8, "--block-length", 8, "--num-iters", 1, "--num-iters-warmup", 0)
     assert result.exit_code == 0, result.output
     assert "tokens/s" in result.output and max(map(len, result.output.splitlines())) <= 100, result.output
+
+
+def test_the_quality_floor_is_an_exact_count_that_can_fall(tmp_path, monkeypatch):
+    """The tiny model is scored at the length it was trained for (not the scenario's output_len, where it
+    scores 0 and a fall could never show), as a count of right answers that the gate holds exactly."""
+    path, baseline = tmp_path / "suite.toml", tmp_path / "baseline.json"
+    path.write_text(SUITE.replace('policy = "threshold"\ncache = "dual"',
+                                  'policy = "fixed"\ncache = "none"\nexact_match_per_task = 5'))
+    assert bench("--suite", path, "--baseline", baseline, "--update-baseline").exit_code == 0
+    recorded = json.loads(baseline.read_text())["scenarios"]["tiny"]["exact_match"]
+    assert recorded["total"] == 20 and recorded["correct"] >= 17, recorded  # near all right: room to fall
+
+    from dlmrt.core import tasks
+
+    right = tasks.is_correct
+    monkeypatch.setattr("dlmrt.eval.evaluation.is_correct",
+                        lambda example, answer: example.task != "rev" and right(example, answer))
+    result = bench("--suite", path, "--baseline", baseline, "--check")
+    assert result.exit_code == 1, result.output
+    assert f"exact_match is {{'correct': {recorded['correct'] - 5}, 'total': 20}}" in result.output
