@@ -98,11 +98,16 @@ class OrtBackend(BindingBackend):
     def __init__(self, export_dir: str | Path, *, device: str | torch.device = "cpu", cuda_graph: bool | None = None,
                  threads: int | None = None, optimization: str = "all",
                  optimized_model_dir: str | Path | None = None,
-                 observe: Callable[[str, Mapping[str, torch.Tensor]], None] | None = None):
+                 observe: Callable[[str, Mapping[str, torch.Tensor]], None] | None = None,
+                 spinning: bool | None = None):
         """`cuda_graph` (default: on CUDA) annotates every binding with a CUDA graph of its own; on the
         CPU the annotations are inert (the CPU provider captures nothing), which is how they are tested.
         `observe(graph, inputs)` sees each graph run's inputs by name, before the run, as the run reads
-        them (what calibration records)."""
+        them (what calibration records). `spinning` (default: on, but off for uniform-noise models,
+        whose loop runs torch ops between graph runs) lets the intra-op threads spin after a run; a
+        benchmark that times torch cases between ONNX Runtime's turns it off, as the spinning threads
+        slow the case after them (the tiny model's torch eager generate, 2 cores: 190 ms right after a
+        spinning run, 113 ms after one that does not spin, 117 ms after 1.5 s idle)."""
         import onnxruntime as ort
 
         self.export_dir = Path(export_dir)
@@ -137,7 +142,7 @@ class OrtBackend(BindingBackend):
         cache = OptimizedModelCache(optimized_model_dir) if optimized_model_dir is not None else None
         self.sessions = {}
         for graph, entry in self.manifest.graphs.items():
-            options = session_options(optimization, threads, spinning=not uniform)
+            options = session_options(optimization, threads, spinning=not uniform if spinning is None else spinning)
             source: str | bytes = str(self.export_dir / entry.file)
             self.manifest.check_graph(graph, onnx.load(source, load_external_data=False), source)
             external = f"{entry.file}.data" in self.manifest.files
