@@ -22,9 +22,12 @@ The statistics, and why:
   less a margin of at most MAX_MARGIN: the run must show, with confidence, a drop larger than the
   margin. A noisy run widens the interval and passes; it cannot fail the gate by chance alone.
 - **Modes side by side.** The same rounds time eager, compile and ONNX Runtime, so their ratios to
-  one another are paired too: compile must be faster than eager (its interval wholly above 1), and
-  ONNX Runtime must hold its recorded ratio to eager. A silent fallback to eager shows there even
-  when every ratio to the reference looks fine.
+  one another are paired too, and each is held like a ratio to the reference: compile and ONNX
+  Runtime must keep their recorded ratios to eager, and compile must not be slower than eager. A
+  silent fallback to eager shows there even when every ratio to the reference looks fine, as long
+  as compile's recorded gain exceeds the margin (1.18x at 15%; the tiny model's is 1.27-1.31x
+  single-threaded). Requiring the interval to lie wholly above 1 instead failed a sound compile
+  (1.27x) in 1 run of 5 on an oversubscribed machine, where noise widened it to 0.91-2.61x.
 
 Pairing cancels what slows every case alike, not what slows them unevenly, as threads that wait on
 one another do. Measured on 2 shared cores (tiny-threshold-dual, 9 rounds) while another process
@@ -135,22 +138,22 @@ def slower(ci_high: float, baseline_ratio: float, margin: float) -> bool:
     return ci_high < baseline_ratio * (1 - margin)
 
 
-def faster(estimate: Estimate) -> bool:
-    """A ratio is above 1 with confidence: its whole interval is."""
-    return estimate.low > 1
-
-
 def mode_findings(seconds: Mapping[str, Sequence[float]], recorded_ort_vs_eager: float | None,
-                  margin: float = MAX_MARGIN, confidence: float = 0.95) -> list[str]:
-    """The modes' sanity within the same rounds, one line per failure: torch:compile must be faster
-    than torch:eager, and ort's speed over torch:eager must not be `slower` than its recorded ratio.
-    A mode absent from `seconds` (or ort without a recorded ratio) is not checked."""
+                  margin: float = MAX_MARGIN, confidence: float = 0.95, *,
+                  recorded_compile_vs_eager: float | None = None) -> list[str]:
+    """The modes' sanity within the same rounds, one line per failure: torch:compile's and ort's speed
+    over torch:eager must not be `slower` than their recorded ratios, and torch:compile must not be
+    slower than torch:eager with confidence (its whole interval below 1) even without one. A mode absent from
+    `seconds`, or ort without a recorded ratio, is not checked."""
     findings = []
     if EAGER in seconds and COMPILE in seconds:
         found = median_with_ci(paired_ratios(seconds[EAGER], seconds[COMPILE]), confidence)
-        if not faster(found):
-            findings.append(f"{COMPILE} is not faster than {EAGER} in the same rounds: {found.median:.2f}x "
-                            f"({found.low:.2f}-{found.high:.2f}x), a compile that fell back to eager?")
+        measured = f"{COMPILE} is {found.median:.2f}x {EAGER} ({found.low:.2f}-{found.high:.2f}x) in the same rounds"
+        if recorded_compile_vs_eager is not None and slower(found.high, recorded_compile_vs_eager, margin):
+            findings.append(f"{measured}, below its recorded {recorded_compile_vs_eager:.2f}x by more than "
+                            f"{margin:.0%}: a compile that fell back to eager?")
+        elif found.high < 1:
+            findings.append(f"{measured}: slower than eager")
     if EAGER in seconds and ORT in seconds and recorded_ort_vs_eager is not None:
         found = median_with_ci(paired_ratios(seconds[EAGER], seconds[ORT]), confidence)
         if slower(found.high, recorded_ort_vs_eager, margin):
