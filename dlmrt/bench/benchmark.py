@@ -24,45 +24,47 @@ class Case(NamedTuple):
 
 def measure(cases: Sequence[Case], repeats: int, progress: Progress, title: str,
             warm_up: Callable[[], object] | None = None, warmups: int = 1) -> list[dict]:
-    """Run every case `warmups` times untimed (where it compiles or captures: its `compile_s`), then
-    `repeats` rounds of every case of a pool in turn, so that a machine that drifts favours none of them (pools
-    one after another): medians and ranges, and speed-up against the first case. `warm_up` runs once
-    before all."""
+    """Run every case `warmups` times untimed (where it compiles or captures), then `repeats` rounds in
+    which every case of a pool runs once, in turn (`dlmrt.bench.paired.interleaved_rounds`), pools one
+    after another: one row of medians and ranges a case, with its speed-up against the first case.
+    `warm_up` runs once before all."""
+    from dlmrt.bench.paired import interleaved_rounds
+
     task = progress.add_task(title, total=len(cases) * (repeats + warmups) + 1)
     if warm_up is not None:
         warm_up()
     progress.advance(task)
-    compiling = [0.0] * len(cases)  # compile and capture time, spent in the untimed runs
-    runs: list[list[GenerationMetrics]] = [[] for _ in cases]
+    rows = {}
     for pool in dict.fromkeys(case.pool for case in cases):
-        members = [index for index, case in enumerate(cases) if case.pool == pool]
-        for index in members:
-            for _ in range(warmups):
-                compiling[index] += cases[index].run().compile_s
-                progress.advance(task)
-        for _ in range(repeats):
-            for index in members:
-                runs[index].append(cases[index].run())
-                progress.advance(task)
-    rows = []
-    for case, compile_s, found in zip(cases, compiling, runs):
-        speeds = [m.tokens_per_s for m in found]
-        latencies = [m.latency_s for m in found]
-        steps = [m.latency_s / max(1, m.forwards_executed or m.nfe) for m in found]  # the reference counts NFE only
-        rows.append({"setting": case.label,
-                     "latency_p50_s": percentile(latencies, 50), "latency_p90_s": percentile(latencies, 90),
-                     "step_p50_s": percentile(steps, 50), "step_p90_s": percentile(steps, 90),
-                     "peak_memory_bytes": max(m.peak_memory_bytes for m in found),
-                     "tokens_per_s": statistics.median(speeds), "tokens_per_s_range": [min(speeds), max(speeds)],
-                     "tokens_per_s_runs": speeds,
-                     "latency_s": statistics.median(m.latency_s for m in found),
-                     "host_fraction": statistics.median(m.host_fraction for m in found),
-                     "host_per_step_s": statistics.median(m.host_s / max(1, m.forwards_executed) for m in found),
-                     "tpf": found[0].tpf, "nfe": found[0].nfe, "forwards_executed": found[0].forwards_executed,
-                     "compile_s": compile_s + sum(m.compile_s for m in found)})
-    for row in rows:
-        row["speedup"] = row["tokens_per_s"] / rows[0]["tokens_per_s"]
-    return rows
+        rounds = interleaved_rounds([case for case in cases if case.pool == pool], repeats, warmups,
+                                    advance=lambda: progress.advance(task))
+        for label, found in rounds.results.items():
+            rows[label] = summarize(label, found, rounds.seconds[label], rounds.warmups[label])
+    ordered = [rows[case.label] for case in cases]
+    for row in ordered:
+        row["speedup"] = row["tokens_per_s"] / ordered[0]["tokens_per_s"]
+    return ordered
+
+
+def summarize(label: str, found: Sequence[GenerationMetrics], seconds: Sequence[float],
+              warmed: Sequence[GenerationMetrics] = ()) -> dict:
+    """One case's row from its timed runs: medians, percentiles and ranges, and the wall seconds of each
+    run (`seconds_runs`, in round order, which pairs them with the other cases' runs); its compile time
+    is the warm-up runs' (`warmed`) and the timed runs'."""
+    speeds = [m.tokens_per_s for m in found]
+    latencies = [m.latency_s for m in found]
+    steps = [m.latency_s / max(1, m.forwards_executed or m.nfe) for m in found]  # the reference counts NFE only
+    return {"setting": label,
+            "latency_p50_s": percentile(latencies, 50), "latency_p90_s": percentile(latencies, 90),
+            "step_p50_s": percentile(steps, 50), "step_p90_s": percentile(steps, 90),
+            "peak_memory_bytes": max(m.peak_memory_bytes for m in found),
+            "tokens_per_s": statistics.median(speeds), "tokens_per_s_range": [min(speeds), max(speeds)],
+            "tokens_per_s_runs": speeds, "seconds_runs": list(seconds),
+            "latency_s": statistics.median(latencies),
+            "host_fraction": statistics.median(m.host_fraction for m in found),
+            "host_per_step_s": statistics.median(m.host_s / max(1, m.forwards_executed) for m in found),
+            "tpf": found[0].tpf, "nfe": found[0].nfe, "forwards_executed": found[0].forwards_executed,
+            "compile_s": sum(m.compile_s for m in (*warmed, *found))}
 
 
 def percentile(values: Sequence[float], q: float) -> float:

@@ -58,6 +58,9 @@ class WorkCounts:
     recompiles: int | None  # graphs dynamo compiled in that warm run: a guard that fails run after run
     # The most bytes that tensors the run allocated on its device held at once (torch eager, reference, ort)
     peak_bytes: int | None
+    # The intra-op threads ONNX Runtime's sessions were given (0: its default, every core), the most of
+    # any graph's (ort): a session pinned to fewer threads runs the same work slower
+    ort_threads: int | None = None
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -224,7 +227,8 @@ def _count_ort(backend, prompts, settings: GenerationSettings) -> WorkCounts:
     device = backend.spec.device
     with deterministic_frees(), _Dispatched(device) as dispatched, HostReads(device) as reads:
         result, blocks = _generate(backend, prompts, settings)
-    return _counts(result, blocks, reads, flops.total, peak_bytes=dispatched.peak)
+    threads = max(session.get_session_options().intra_op_num_threads for session in backend.sessions.values())
+    return _counts(result, blocks, reads, flops.total, peak_bytes=dispatched.peak, ort_threads=threads)
 
 
 def _count_compiled(backend: TorchBackend, prompts, settings: GenerationSettings) -> WorkCounts:
@@ -261,12 +265,12 @@ def _generate(backend: Backend, prompts, settings: GenerationSettings) -> tuple[
 
 def _counts(result: GenerationResult, blocks: int, reads: HostReads, flops: int | None, *,
             aten_ops_per_step: int | None = None, compiled_graphs: int | None = None, recompiles: int | None = None,
-            peak_bytes: int | None = None) -> WorkCounts:
+            peak_bytes: int | None = None, ort_threads: int | None = None) -> WorkCounts:
     metrics = result.metrics
     return WorkCounts(nfe=metrics.nfe, forwards_executed=metrics.forwards_executed, host_reads=reads.count,
                       blocks=blocks, flops_per_token=None if flops is None else flops // metrics.generated_tokens,
                       aten_ops_per_step=aten_ops_per_step, compiled_graphs=compiled_graphs, recompiles=recompiles,
-                      peak_bytes=peak_bytes)
+                      peak_bytes=peak_bytes, ort_threads=ort_threads)
 
 
 class OnnxFlops:

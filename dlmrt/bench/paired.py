@@ -63,9 +63,11 @@ EAGER, COMPILE, ORT = "torch:eager", "torch:compile", "ort"
 
 @dataclass(frozen=True)
 class Rounds:
-    """Per case label: the seconds of each timed round's run, and what the run returned, in round order."""
+    """Per case label: the seconds of each timed round's run, and what the run returned, in round order;
+    and what each untimed warm-up run returned (where compiling shows)."""
     seconds: dict[str, list[float]]
     results: dict[str, list[object]]
+    warmups: dict[str, list[object]]
 
 
 def interleaved_rounds(cases: Sequence[Case], rounds: int, warmups: int = 1, seed: int = 0,
@@ -78,9 +80,10 @@ def interleaved_rounds(cases: Sequence[Case], rounds: int, warmups: int = 1, see
     labels = [case.label for case in cases]
     if len(set(labels)) != len(labels):
         raise ValueError(f"case labels must be distinct, got {labels}")
+    warmed: dict[str, list[object]] = {label: [] for label in labels}
     for case in cases:
         for _ in range(warmups):
-            case.run()
+            warmed[case.label].append(case.run())
             if advance is not None:
                 advance()
     order = list(cases)
@@ -96,7 +99,7 @@ def interleaved_rounds(cases: Sequence[Case], rounds: int, warmups: int = 1, see
             results[case.label].append(result)
             if advance is not None:
                 advance()
-    return Rounds(seconds, results)
+    return Rounds(seconds, results, warmed)
 
 
 def paired_ratios(a_seconds: Sequence[float], b_seconds: Sequence[float]) -> list[float]:

@@ -10,24 +10,24 @@ A suite is a TOML file of named scenarios (benchmarks/ci.toml is dlmrt's own):
     batch_size = 4
     output_len = 32
 
-A baseline (JSON, written only by `--update-baseline`) records, per scenario and case, the figures
-that must not change at all (the generated tokens' digest, NFE, TPF, and the exact-match of an
-`exact_match_per_task` scenario) and the speed ratios measured in the same run against the
-scenario's first case, with their spread over the timed rounds. The gate (`check`):
+A baseline (JSON, written only by `--update-baseline`) records, per scenario and case, the counted
+figures, which must not change at all (the generated tokens' digest, NFE, TPF, each count of
+`dlmrt.bench.counted`, and the exact-match count of an `exact_match_per_task` scenario), and the
+timed ones: each case's speed ratio to the scenario's first case, the first case's speed against the
+canary (`dlmrt.bench.canary`), and ONNX Runtime's ratio to eager, each the median of ratios paired
+round by round (`dlmrt.bench.paired`). The gate (`check`):
 
-- deterministic figures must equal the baseline exactly;
-- a ratio is a regression when even this run's best round falls below the baseline's median by
-  more than the margin (the baseline's relative spread, within [MIN_MARGIN, MAX_MARGIN]). Each
-  round times every case in turn, so a ratio within one round cancels the machine's drift, and a
-  noisy round cannot fail the gate alone. A scenario that shows a regression is run again, and
-  only a regression seen in both runs counts.
+- a counted figure that differs from the baseline fails;
+- a ratio fails when even the upper end of its bootstrap interval lies below the baseline's ratio
+  less MAX_MARGIN (15%); compile must beat eager, and ONNX Runtime hold its ratio to eager, in the
+  same rounds. A scenario whose timing fails is run again, and only a failure seen in both runs
+  counts.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import statistics
 import typing
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
@@ -37,10 +37,8 @@ from typing import Any
 from dlmrt.core import atomic, json_files
 from dlmrt.core.errors import DlmrtError
 
-SUITE_FORMAT_VERSION = BASELINE_FORMAT_VERSION = 1
-# The allowed drop of a speed ratio: the baseline's own spread over its rounds, at least MIN_MARGIN
-# and at most MAX_MARGIN (a noisy baseline must not make the gate blind).
-MIN_MARGIN, MAX_MARGIN = 0.25, 0.5
+SUITE_FORMAT_VERSION = 1
+BASELINE_FORMAT_VERSION = 2  # 2: counted work, paired ratios with their intervals, the canary
 
 
 class SuiteError(DlmrtError):
@@ -126,17 +124,23 @@ def _fields(table: Any, where: str) -> dict[str, Any]:
 # -- baselines ------------------------------------------------------------------------------------
 
 def record(suite: str, results: dict[str, dict]) -> dict:
-    """A baseline from one run: `results` maps scenario name to its run (`cases`, `exact_match`)."""
+    """A baseline from one run: `results` maps scenario name to its run (`cases`, `exact_match`,
+    `canary`)."""
+    from dlmrt.bench.paired import EAGER, ORT, median_with_ci, paired_ratios
+
     scenarios = {}
     for name, result in results.items():
         cases = {}
         for case in result["cases"]:
-            ratio = case.get("ratio_runs")
-            cases[case["setting"]] = {
-                "tokens_sha256": case["tokens_sha256"], "nfe": case["nfe"], "tpf": case["tpf"],
-                **({"ratio": statistics.median(ratio), "ratio_low": min(ratio), "ratio_high": max(ratio)}
-                   if ratio else {})}
-        scenarios[name] = {"cases": cases, "exact_match": result.get("exact_match")}
+            low, high = case["speedup_ci"]
+            cases[case["setting"]] = {"tokens_sha256": case["tokens_sha256"], "nfe": case["nfe"], "tpf": case["tpf"],
+                                      "work": case.get("work"), "ratio": case["speedup"], "ratio_low": low,
+                                      "ratio_high": high}
+        seconds = {case["setting"]: case["seconds_runs"] for case in result["cases"]}
+        ort_vs_eager = (median_with_ci(paired_ratios(seconds[EAGER], seconds[ORT])).median
+                        if EAGER in seconds and ORT in seconds else None)
+        scenarios[name] = {"cases": cases, "exact_match": result.get("exact_match"), "canary": result.get("canary"),
+                           "ort_vs_eager": ort_vs_eager}
     return {"format_version": BASELINE_FORMAT_VERSION, "suite": suite, "scenarios": scenarios}
 
 
@@ -164,44 +168,57 @@ class Finding:
     scenario: str
     case: str
     figure: str
-    baseline: Any
-    measured: Any
-    margin: float | None = None  # for ratios: the relative drop allowed
+    message: str  # what was measured against what the baseline holds
 
     def __str__(self) -> str:
-        if self.margin is None:
-            return (f"scenario {self.scenario}, {self.case}: {self.figure} is {self.measured}, the baseline "
-                    f"holds {self.baseline} (it must not change)")
-        return (f"scenario {self.scenario}, {self.case}: {self.figure} is {self.measured:.2f}x, the baseline "
-                f"{self.baseline:.2f}x, below it by more than the {self.margin:.0%} margin")
+        return f"scenario {self.scenario}, {self.case}: {self.message}"
 
 
 def check(name: str, result: dict, baseline: dict) -> tuple[list[Finding], list[Finding]]:
-    """(changed deterministic figures, slower ratios) of one scenario's run against its baseline."""
+    """(changed counted figures, slower timings) of one scenario's run against its baseline. Counted
+    figures (tokens, NFE, TPF, each count of work, the exact-match count) must be equal; a speed ratio is
+    slower when its interval's upper end lies below the baseline ratio less MAX_MARGIN
+    (`dlmrt.bench.paired`), and the modes are checked against each other in the same rounds."""
+    from dlmrt.bench.paired import MAX_MARGIN, mode_findings, slower
+
     recorded = baseline["scenarios"].get(name)
     if recorded is None:
-        return [Finding(name, "-", "scenario", "absent", "present")], []
-    changed, slower = [], []
-    if recorded.get("exact_match") != result.get("exact_match"):
-        changed.append(Finding(name, "torch:eager", "exact_match", recorded.get("exact_match"),
-                               result.get("exact_match")))
+        return [Finding(name, "-", "scenario", "the scenario is not in the baseline: record it with "
+                                               "--update-baseline")], []
+    changed, slowed = [], []
+
+    def unequal(case: str, figure: str, expected, measured) -> None:
+        if expected != measured:
+            changed.append(Finding(name, case, figure, f"{figure} is {measured}, the baseline holds {expected} "
+                                                       f"(it must not change)"))
+
+    unequal("torch:eager", "exact_match", recorded.get("exact_match"), result.get("exact_match"))
     found = {case["setting"]: case for case in result["cases"]}
+    first = result["cases"][0]["setting"]
     for label, expected in recorded["cases"].items():
         case = found.get(label)
         if case is None:
-            changed.append(Finding(name, label, "case", "present", "absent"))
+            changed.append(Finding(name, label, "case", "the case is in the baseline but did not run"))
             continue
         for figure in ("tokens_sha256", "nfe", "tpf"):
-            if case[figure] != expected[figure]:
-                changed.append(Finding(name, label, figure, expected[figure], case[figure]))
-        if "ratio" in expected and case.get("ratio_runs"):
-            best = max(case["ratio_runs"])
-            spread = (expected["ratio_high"] - expected["ratio_low"]) / expected["ratio"]
-            margin = min(MAX_MARGIN, max(MIN_MARGIN, spread))
-            if best < expected["ratio"] * (1 - margin):
-                slower.append(Finding(name, label, f"speed vs {result['cases'][0]['setting']} (best round)",
-                                      expected["ratio"], best, margin))
-    return changed, slower
+            unequal(label, figure, expected[figure], case[figure])
+        for figure, count in (expected.get("work") or {}).items():
+            unequal(label, figure, count, (case.get("work") or {}).get(figure))
+        low, high = case["speedup_ci"]
+        if label != first and slower(high, expected["ratio"], MAX_MARGIN):
+            slowed.append(Finding(name, label, "speed", (
+                f"speed vs {first} is {case['speedup']:.2f}x ({low:.2f}-{high:.2f}x), below the baseline's "
+                f"{expected['ratio']:.2f}x by more than {MAX_MARGIN:.0%}")))
+    if recorded.get("canary") and result.get("canary"):
+        expected, measured = recorded["canary"]["median"], result["canary"]
+        if slower(measured["high"], expected, MAX_MARGIN):
+            slowed.append(Finding(name, first, "speed vs canary", (
+                f"speed against the canary is {measured['median']:.2f}x ({measured['low']:.2f}-"
+                f"{measured['high']:.2f}x), below the baseline's {expected:.2f}x by more than {MAX_MARGIN:.0%}: "
+                f"code every case shares (the model, torch) slowed, and the canary did not")))
+    seconds = {case["setting"]: case["seconds_runs"] for case in result["cases"]}
+    slowed += [Finding(name, "modes", "modes", line) for line in mode_findings(seconds, recorded.get("ort_vs_eager"))]
+    return changed, slowed
 
 
 def write_summaries(findings: list[Finding], scenarios: list[str], markdown: Path | None, junit: Path | None) -> None:
@@ -235,7 +252,7 @@ def history_entry(suite: str | None, results: dict[str, dict], environment: dict
     scenarios = {}
     for name, result in results.items():
         scenarios[name] = {"exact_match": result.get("exact_match"), "cases": {
-            case["setting"]: {"ratio": statistics.median(case["ratio_runs"]), "tokens_per_s": case["tokens_per_s"],
+            case["setting"]: {"ratio": case["speedup"], "tokens_per_s": case["tokens_per_s"],
                               "tpf": case["tpf"], "nfe": case["nfe"], "tokens_sha256": case["tokens_sha256"]}
             for case in result["cases"]}}
     return {"time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "suite": suite,
