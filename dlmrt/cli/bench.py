@@ -269,6 +269,8 @@ def run_scenario(scenario: Scenario, console, wide: bool, gated: bool = False) -
     chosen = torch.randint(len(allowed), (scenario.batch_size, scenario.input_len),
                            generator=torch.Generator().manual_seed(scenario.seed))
     prompts = allowed[chosen].tolist()
+    if gated:
+        torch.set_num_threads(bench_suite.GATE_THREADS)
     with tempfile.TemporaryDirectory() as scratch, Progress(console=console, transient=True) as progress:
         cases, tokens = make_cases(model, backends, prompts, settings, Path(scratch), console)
         timed = timed_rounds(cases, scenario.num_iters, scenario.num_iters_warmup, progress, canary=gated)
