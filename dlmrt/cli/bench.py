@@ -269,10 +269,11 @@ def run_scenario(scenario: Scenario, console, wide: bool, gated: bool = False) -
     chosen = torch.randint(len(allowed), (scenario.batch_size, scenario.input_len),
                            generator=torch.Generator().manual_seed(scenario.seed))
     prompts = allowed[chosen].tolist()
-    if gated:
-        torch.set_num_threads(bench_suite.GATE_THREADS)
+    threads = bench_suite.GATE_THREADS if gated else None
+    if threads is not None:
+        torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory() as scratch, Progress(console=console, transient=True) as progress:
-        cases, tokens = make_cases(model, backends, prompts, settings, Path(scratch), console)
+        cases, tokens = make_cases(model, backends, prompts, settings, Path(scratch), console, threads)
         timed = timed_rounds(cases, scenario.num_iters, scenario.num_iters_warmup, progress, canary=gated)
         rows = [summarize(case.label, timed.results[case.label], timed.seconds[case.label], timed.warmups[case.label])
                 for case in cases]
@@ -320,9 +321,10 @@ def default_cache(model) -> str:
     return "none" if model.noise == "uniform" else "dual"
 
 
-def make_cases(model, backends, prompts, settings, scratch: Path, console):
+def make_cases(model, backends, prompts, settings, scratch: Path, console, ort_threads: int | None = None):
     """One benchmark Case per backend; `tokens` fills with each case's token digest as it runs. The
-    reference case is LLaDA's plain loop (fixed policy, one token a step, no cache) on the same prompts."""
+    reference case is LLaDA's plain loop (fixed policy, one token a step, no cache) on the same prompts.
+    ONNX Runtime runs `ort_threads` intra-op threads (None: its default)."""
     from dlmrt.bench.benchmark import Case
     from dlmrt.runtime import Fixed, Generator, reference
     from dlmrt.runtime.torch_backend import TorchBackend
@@ -354,7 +356,7 @@ def make_cases(model, backends, prompts, settings, scratch: Path, console):
             length = canvas_length(prompts, settings.gen_length, settings.block_length, block_causal=model.block_causal)
             with console.status(f"exporting {model.name} for ONNX Runtime"):
                 export_dir = export(model, scratch / "export", max_batch=len(prompts), max_length=length)
-            generator = Generator(OrtBackend(export_dir, spinning=False))  # timed between torch's runs
+            generator = Generator(OrtBackend(export_dir, spinning=False, threads=ort_threads))  # between torch's
 
         def run(label=label, generator=generator):
             result = generator.generate(prompts, settings)
