@@ -209,8 +209,8 @@ def bench_command(ctx, wide, output_json, suite, scenario_names, baseline, check
 def gate(suite_name: str, scenarios, results: dict, expected: dict, summary, junit, wide: bool,
          started: float) -> None:
     """Check every scenario; a slower ratio is run again and counts only if it repeats (unless a count
-    changed, which fails the scenario anyway). Both verdicts
-    say how long the gate took since `started` (time.monotonic)."""
+    changed, which fails the scenario anyway). Both verdicts say how long the gate took since `started`
+    (time.monotonic)."""
     import time
 
     from rich.console import Console
@@ -220,10 +220,9 @@ def gate(suite_name: str, scenarios, results: dict, expected: dict, summary, jun
         changed, slower = bench_suite.check(scenario.name, results[scenario.name], expected)
         if slower and not changed:  # a changed count fails the scenario already: no second run to confirm
             results[scenario.name] = again = run_scenario(scenario, Console(stderr=True), wide, gated=True)
-            changed_again, slower_again = bench_suite.check(scenario.name, again, expected)
+            changed, slower_again = bench_suite.check(scenario.name, again, expected)
             repeated = {(f.case, f.figure) for f in slower}
             slower = [f for f in slower_again if (f.case, f.figure) in repeated]
-            changed += [f for f in changed_again if f not in changed]
         findings += changed + slower
     bench_suite.write_summaries(findings, [s.name for s in scenarios], summary, junit)
     took = f"in {time.monotonic() - started:.0f} s"
@@ -288,9 +287,8 @@ def run_scenario(scenario: Scenario, console, wide: bool, gated: bool = False) -
             row["work"] = work.get(row["setting"])
     canary = None
     if gated:
-        canary = dict(zip(("median", "low", "high"), median_with_ci(
-            paired_ratios(timed.seconds[CANARY], rows[0]["seconds_runs"]))))
-        canary["seconds"] = statistics.median(timed.seconds[CANARY])
+        against = median_with_ci(paired_ratios(timed.seconds[CANARY], rows[0]["seconds_runs"]))
+        canary = {**against._asdict(), "seconds": statistics.median(timed.seconds[CANARY])}
     exact = None
     if scenario.exact_match_per_task:
         from dlmrt.eval import evaluation
