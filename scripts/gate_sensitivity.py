@@ -7,9 +7,9 @@ Builds the cases of one scenario of the gate's suite (benchmarks/ci.toml's tiny-
 reference loop, torch eager, torch compile and ONNX Runtime) as `dlmrt bench` does, and the canary
 (dlmrt.bench.canary), every one single-threaded (--threads). One paired timing (dlmrt.bench.paired)
 without delay records the baseline. Then the gate runs --runs times at each delay d (the delays in
-turn, run after run), every step the executor runs sleeping d ms: a pure delay, as a regression in
-the step would add (--delay-kind work: d ms of CPU time instead); the reference loop runs no executor
-and is untouched. A run fails as the gate
+turn, run after run), every step the executor runs sleeping d ms, or with "10%" a tenth of its own
+time: a pure delay, as a regression in the step would add (--delay-kind work: CPU time instead); the
+reference loop runs no executor and is untouched. A run fails as the gate
 does: a case's speed ratio to the reference is `slower` than the baseline's by more than --margin,
 or the modes' sanity fails, and the same again in one rerun. Printed per d: how much slower each
 case's step and how much lower its ratio to the reference came out (medians over the runs), how many
@@ -53,16 +53,20 @@ def work(seconds: float) -> None:
         pass
 
 
-def delayed_steps(delay_ms: float, kind: str):
-    """Every step the executor runs takes `delay_ms` longer: a sleep (no core taken), or that much CPU
-    work. Nothing is patched for no delay (a sleep of 0 still yields the core)."""
-    if delay_ms == 0:
+def delayed_steps(delay: str, kind: str):
+    """Every run of steps the executor makes takes longer: by `delay` ms a step ("0.4"), or by a share of
+    its own time ("10%": each run pauses a tenth of what it took, so every case's step is 10% slower
+    whatever its speed). The pause is a sleep (no core taken) or as much CPU work. Nothing is patched
+    for no delay (a sleep of 0 still yields the core)."""
+    if float(delay.rstrip("%")) == 0:
         return contextlib.nullcontext()
     original, pause = Executor.run, {"sleep": time.sleep, "work": work}[kind]
+    share = float(delay[:-1]) / 100 if delay.endswith("%") else None
 
     def run(self, state, program, steps):
+        started = time.perf_counter()
         original(self, state, program, steps)
-        pause(steps * delay_ms / 1e3)
+        pause(share * (time.perf_counter() - started) if share is not None else steps * float(delay) / 1e3)
     return mock.patch.object(Executor, "run", run)
 
 
@@ -149,7 +153,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--suite", type=Path, default=REPO / "benchmarks" / "ci.toml")
     parser.add_argument("--scenario", default="tiny-threshold-dual")
-    parser.add_argument("--delays", default="0,0.25,0.5,1,2", help="ms added to every step, comma-separated")
+    parser.add_argument("--delays", default="0,0.25,0.5,1,2",
+                        help="comma-separated: ms added to every step, or with % a share of each run's own time")
     parser.add_argument("--runs", type=int, default=5, help="gate runs per delay")
     parser.add_argument("--rounds", type=int, default=9, help="interleaved rounds per timing")
     parser.add_argument("--margin", type=float, default=paired.MAX_MARGIN)
@@ -160,13 +165,13 @@ def main() -> None:
     parser.add_argument("--busy", action="store_true", help="keep one core busy with another process throughout")
     parser.add_argument("--output-json", type=Path, default=None, help="also write every run's judgement")
     args = parser.parse_args()
-    delays = [float(d) for d in args.delays.split(",")]
+    delays = [d.strip() for d in args.delays.split(",")]
     torch.set_num_threads(args.threads)
     console = Console(stderr=True)
     started = time.perf_counter()
     _, scenarios = bench_suite.load_suite(args.suite)
     scenario = next(s for s in scenarios if s.name == args.scenario)
-    runs: dict[float, list[dict]] = {}
+    runs: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory() as scratch, BusyCore(args.busy), Progress(console=console) as progress:
         cases = build_cases(scenario, args.threads, Path(scratch), console)
         task = progress.add_task("warm-up and baseline", total=None)
@@ -178,7 +183,7 @@ def main() -> None:
         baseline = time_rounds(0, scenario.num_iters_warmup)
         for run in range(args.runs):  # every delay once a run: the machine's drift meets them all alike
             for delay in delays:
-                progress.update(task, description=f"run {run + 1}/{args.runs}, delay {delay:g} ms a step")
+                progress.update(task, description=f"run {run + 1}/{args.runs}, delay {delay}")
                 with delayed_steps(delay, args.delay_kind):
                     runs.setdefault(delay, []).append(gate_run(time_rounds, baseline, args.margin, seed=1 + run))
     wall = time.perf_counter() - started
@@ -190,7 +195,7 @@ def main() -> None:
                                                 "wall_s": wall, "runs": runs}, indent=2) + "\n")
 
 
-def results_table(runs: dict[float, list[dict]], base_step: dict[str, float], args, wall: float) -> Table:
+def results_table(runs: dict[str, list[dict]], base_step: dict[str, float], args, wall: float) -> Table:
     kind = "a pure delay" if args.delay_kind == "sleep" else "CPU work"
     table = Table(title=f"the paired gate against {kind} in every step: {args.runs} runs a delay, "
                         f"{args.rounds} rounds a timing, margin {args.margin:.0%}, {args.threads} thread(s)"
@@ -208,7 +213,7 @@ def results_table(runs: dict[float, list[dict]], base_step: dict[str, float], ar
                  f"{statistics.median(r['first']['ratio_change'][label] for r in found):+.0%}" for label in base_step]
         caught = [label for r in found for label in r["caught"]]
         blamed = [r["first"]["blame"] for r in found if r["first"]["blame"]]
-        table.add_row(f"{delay:g} ms", *cells,
+        table.add_row(delay if delay.endswith("%") else f"{delay} ms", *cells,
                       f"{sum(bool(r['caught']) for r in found)}/{len(found)}"
                       + "".join(f", {label} {caught.count(label)}" for label in dict.fromkeys(caught)),
                       f"{sum(r['modes_caught'] for r in found)}/{len(found)}",

@@ -217,10 +217,10 @@ def gate(suite_name: str, scenarios, results: dict, expected: dict, summary, jun
 
     findings = []
     for scenario in scenarios:
-        changed, slower = bench_suite.check(scenario.name, results[scenario.name], expected)
+        changed, slower = bench_suite.check(scenario.name, results[scenario.name], expected, scenario.margin)
         if slower and not changed:  # a changed count fails the scenario already: no second run to confirm
             results[scenario.name] = again = run_scenario(scenario, Console(stderr=True), wide, gated=True)
-            changed, slower_again = bench_suite.check(scenario.name, again, expected)
+            changed, slower_again = bench_suite.check(scenario.name, again, expected, scenario.margin)
             repeated = {(f.case, f.figure) for f in slower}
             slower = [f for f in slower_again if (f.case, f.figure) in repeated]
         findings += changed + slower

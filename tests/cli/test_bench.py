@@ -157,6 +157,7 @@ def test_the_gate_fails_a_change_of_output(suite, monkeypatch):
      "backends must be a non-empty list of strings"),
     (SUITE + "\n[scenarios.other]\nmodel = \"llada-9000\"\n", "is neither a model directory nor a random config"),
     ("name = [", "is not valid TOML"),
+    (SUITE.replace("batch_size = 2", "batch_size = 2\nmargin = 0.2"), "margin must be a number from 0 to 0.15"),
 ])
 def test_a_bad_suite_is_one_error_naming_the_field(tmp_path, suite_text, message):
     path = tmp_path / "suite.toml"
@@ -180,6 +181,25 @@ def test_a_baseline_of_another_suite_or_version_or_corrupt_is_refused_and_kept(s
     assert baseline.read_text() == "{corrupt"
     result = bench("--suite", path, "--scenario", "nope", "--baseline", baseline, "--update-baseline")
     assert result.exit_code == 2 and "has no scenario 'nope' (it has: tiny)" in result.output
+
+
+def test_a_scenario_s_margin_is_the_drop_its_ratios_may_show():
+    """A ratio 10% under the baseline's, its interval 8-12% under: within 15%, beyond 5%."""
+    from dlmrt.bench import suite as bench_suite
+
+    def case(setting, ratio, ci):
+        return {"setting": setting, "tokens_sha256": "d", "nfe": 4, "tpf": 2.0, "work": None, "speedup": ratio,
+                "speedup_ci": ci, "seconds_runs": [1.0 / ratio] * 9}
+    baseline = {"scenarios": {"tiny": {"exact_match": None, "canary": None, "cases": {
+        "reference": {"tokens_sha256": "d", "nfe": 4, "tpf": 2.0, "ratio": 1.0},
+        "torch:eager": {"tokens_sha256": "d", "nfe": 4, "tpf": 2.0, "ratio": 2.0}}}}}
+    result = {"exact_match": None,
+              "cases": [case("reference", 1.0, [1.0, 1.0]), case("torch:eager", 1.8, [1.76, 1.84])]}
+    assert bench_suite.check("tiny", result, baseline) == ([], [])
+    changed, slowed = bench_suite.check("tiny", result, baseline, margin=0.05)
+    assert changed == [] and [str(f) for f in slowed] == [
+        "scenario tiny, torch:eager: speed vs reference is 1.80x (1.76-1.84x), below the baseline's 2.00x by more "
+        "than 5%"]
 
 
 def test_suite_options_are_not_mixed_with_one_scenario_options(suite):
