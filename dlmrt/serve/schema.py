@@ -1,8 +1,8 @@
 """The OpenAI API's shapes as `dlmrt serve` speaks them: requests, replies and errors.
 
 A request takes every field of OpenAI's Completions or Chat Completions request, and the diffusion
-knobs (`gen_length`, `block_length`, `policy`, `threshold`, `cache`, `steps`) as extra top-level
-fields; any other field is refused (400, naming it). Of OpenAI's fields, dlmrt honours `model`, the
+knobs (`gen_length`, `block_length`, `policy`, `threshold`, `cache`, `steps`) and `stream_provisional`
+as extra top-level fields; any other field is refused (400, naming it). Of OpenAI's fields, dlmrt honours `model`, the
 prompt or messages, `max_tokens` (`max_completion_tokens`), `temperature`, `seed`, `stop`, `stream`
 and `stream_options.include_usage`;
 identifiers and hints (`user`, `metadata`, `safety_identifier`, the `prompt_cache_*` fields,
@@ -112,6 +112,9 @@ class OpenAIRequest(BaseModel):
     threshold: float | None = None
     cache: Literal["none", "prefix", "dual"] | None = None
     steps: int | None = Field(default=None, ge=1, le=limits.MAX_POSITIONS)
+    # dlmrt's own, top-level as the knobs are (not in stream_options, which is OpenAI's): stream the
+    # block's provisional tokens too (docs/streaming.md)
+    stream_provisional: bool = False
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -126,9 +129,10 @@ class OpenAIRequest(BaseModel):
             value = getattr(self, outer, None)
             if not _asks_nothing(getattr(value, inner, None) if inner else value, rule.accepted):
                 raise ApiError(400, f"{field}: {rule.why}", param=field, code="unsupported_value")
-        if self.stream_options is not None and not self.stream:
-            raise ApiError(400, "stream_options: only allowed with stream: true", param="stream_options",
-                           code="invalid_value")
+        for field, given in (("stream_options", self.stream_options is not None),
+                             ("stream_provisional", self.stream_provisional)):
+            if given and not self.stream:
+                raise ApiError(400, f"{field}: only allowed with stream: true", param=field, code="invalid_value")
 
     @property
     def include_usage(self) -> bool:
