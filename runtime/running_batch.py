@@ -45,8 +45,9 @@ class BlockProgress:
     """A row's current block as its steps have decided it so far, read at a K-step boundary: provisional,
     the block's BlockUpdate is what counts. Its tokens from the block's first output position up to
     the first end-of-sequence decided, None where a position is still undecided (a mask model's mask,
-    a uniform-noise model's position before the block's first step). Once the block's steps are over,
-    the tokens equal its BlockUpdate's."""
+    a uniform-noise model's position before the block's first step); none once the row's completion
+    has ended (a row with ignore_eos decodes on). Once the block's steps are over, the tokens equal
+    its BlockUpdate's."""
 
     row: object
     block: int
@@ -96,6 +97,7 @@ class Row:
     block: int = 0  # its current block
     slot: int = -1
     emitted: int = 0
+    ended: bool = False  # its completion reached a stop id (a row with ignore_eos decodes on past it)
     forwards: int = 0
 
     @property
@@ -296,7 +298,7 @@ class RunningBatch(ABC):
         position is undecided (one host read)."""
 
     def _progress(self, rows: Sequence[Row]) -> list[BlockProgress]:
-        return [BlockProgress(row.tag, row.block, completion(draft, self.spec.eos_ids))
+        return [BlockProgress(row.tag, row.block, [] if row.ended else completion(draft, self.spec.eos_ids))
                 for row, draft in zip(rows, self._read_drafts(rows))]
 
     # -- rows out -----------------------------------------------------------------------------------
@@ -331,8 +333,10 @@ class RunningBatch(ABC):
         return updates
 
     def _update(self, row: Row, block: int, settled: list[int], reason: str | None) -> BlockUpdate:
-        new = completion(settled[row.emitted:], self.stop_ids)
+        rest = settled[row.emitted:]
+        new = completion(rest, self.stop_ids)
         row.emitted += len(new)
+        row.ended = row.ended or len(new) < len(rest)
         return BlockUpdate(row.tag, block, new, reason)
 
     def _finish(self, row: Row, outcome: BlockOutcome) -> None:

@@ -8,6 +8,7 @@ middle of a block leaves at the next K-step boundary; the rows that stay decode 
 
 from __future__ import annotations
 
+import threading
 from dataclasses import replace
 
 import pytest
@@ -101,3 +102,71 @@ def test_a_cancelled_row_leaves_at_the_next_k_step_boundary(llada):
     decode(batch)
     alone = Generator(backend).generate([[5, 6, 7]], replace(SETTINGS, policy=Threshold(1e-6), seed=1))
     assert batch.finished["fast"].tokens == alone.tokens[0].tolist()
+
+
+def test_the_scheduler_delivers_progress_before_each_block_to_the_tickets_that_asked(llada):
+    """Each ticket gets its events in order: a block's progress, then its update, then Finished; only
+    the ticket that asked gets progress, and both get the tokens they get alone."""
+    from dlmrt.runtime.scheduler import Finished, Scheduler
+
+    backend = TorchBackend(llada, mode="eager", max_batch=4)
+    scheduler = Scheduler(backend)
+    events = {"watched": [], "plain": []}
+    done = {tag: threading.Event() for tag in events}
+
+    def listener(tag):
+        def deliver(event):
+            events[tag].append(event)
+            if isinstance(event, Finished):
+                done[tag].set()
+        return deliver
+
+    scheduler.submit([5, 6, 7], replace(SETTINGS, seed=1), listener("watched"), provisional=True)
+    scheduler.submit([8, 9], replace(SETTINGS, seed=2), listener("plain"))
+    assert all(event.wait(60) for event in done.values())
+    scheduler.stop()
+
+    assert not any(isinstance(event, BlockProgress) for event in events["plain"])
+    watched = events["watched"]
+    assert isinstance(watched[-1], Finished) and not any(isinstance(e, Finished) for e in watched[:-1])
+    shown, blocks = [], 0
+    for event in watched[:-1]:
+        if isinstance(event, BlockProgress):
+            assert event.block == blocks
+            shown.append(event.token_ids)
+        else:  # the block's update: the last progress before it holds its tokens
+            assert shown and shown[-1] == event.token_ids and event.block == blocks
+            shown, blocks = [], blocks + 1
+    assert blocks == 4 and shown == []
+    generator = Generator(backend)
+    for tag, prompt, seed in (("watched", [5, 6, 7], 1), ("plain", [8, 9], 2)):
+        alone = generator.generate([prompt], replace(SETTINGS, seed=seed))
+        assert events[tag][-1].row.tokens == alone.tokens[0].tolist(), tag
+
+
+def test_uniform_noise_progress_ends_on_the_block_and_a_cancel_leaves_mid_block():
+    """DiffusionGemma: progress is the block's draft, equal to the block's update once its steps are
+    over (none after the completion's end-of-sequence: ignore_eos decodes on); a row cancelled after 3
+    steps of a 12-step block leaves then, and the other decodes as alone."""
+    import dlmrt
+    from dlmrt.runtime import EntropyBound, text
+
+    gemma = dlmrt.load(dlmrt.TINY_MODEL_DIR.parent / "tiny-diffusion-gemma")
+    settings = GenerationSettings(16, 8, EntropyBound(steps=12), ignore_eos=True)
+    backend = TorchBackend(gemma, mode="eager", max_batch=4)
+    prompts = {"watched": text.encode(gemma, "sort:3142="), "gone": text.encode(gemma, "sort:97=")}
+    seen, cancel = [], CancelAfter(3)
+    batch = open_batch(backend, on_step=cancel.step, on_progress=seen.extend)
+    batch.add("watched", prompts["watched"], settings, seed=1, provisional=True)
+    batch.add("gone", prompts["gone"], settings, seed=2, cancel=cancel)
+    updates = decode(batch)
+
+    assert batch.finished["gone"].finish_reason == "cancelled" and batch.finished["gone"].metrics.nfe == 3
+    committed = {update.block: update.token_ids for update in updates if update.row == "watched"}
+    assert sorted(committed) == [0, 1]
+    for block, final in committed.items():
+        shown = [progress.token_ids for progress in seen if progress.block == block]
+        assert len(shown) > 1 and shown[-1] == final
+    assert committed[0]  # the first block has output to compare (the second follows an end-of-sequence)
+    alone = Generator(backend).generate([prompts["watched"]], replace(settings, seed=1))
+    assert batch.finished["watched"].tokens == alone.tokens[0].tolist()
