@@ -8,10 +8,12 @@ middle of a block leaves at the next K-step boundary; the rows that stay decode 
 
 from __future__ import annotations
 
+import copy
 import threading
 from dataclasses import replace
 
 import pytest
+import torch
 
 from dlmrt.runtime import GenerationSettings, Generator, Threshold
 from dlmrt.runtime.running_batch import BlockProgress, RunningBatch, open_batch
@@ -101,6 +103,27 @@ def test_a_cancelled_row_leaves_at_the_next_k_step_boundary(llada):
     assert [row.tag for row in batch.rows] == ["fast"]
     decode(batch)
     alone = Generator(backend).generate([[5, 6, 7]], replace(SETTINGS, policy=Threshold(1e-6), seed=1))
+    assert batch.finished["fast"].tokens == alone.tokens[0].tolist()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_progress_and_a_mid_block_cancel_under_cuda_graphs(llada):
+    """K = 2 on captured graphs: the slow row leaves after the first 2 steps, the fast row's progress is
+    read at that boundary, and its tokens are those it gets alone, eagerly."""
+    model = copy.deepcopy(llada).to("cuda")
+    settings = replace(SETTINGS, steps_per_sync=2)
+    seen, cancel = [], CancelAfter(2)
+    batch = open_batch(TorchBackend(model, mode="cudagraph", max_batch=4), on_step=cancel.step,
+                       on_progress=seen.extend)
+    batch.add("fast", [5, 6, 7], replace(settings, policy=Threshold(1e-6)), seed=1, provisional=True)
+    batch.add("slow", [8, 9], replace(settings, policy=Threshold(0.99)), seed=2, cancel=cancel)
+    updates = batch.run_block()
+    assert batch.executed == 2 and batch.finished["slow"].metrics.nfe == 2
+    assert seen[-1].token_ids == next(u.token_ids for u in updates if u.row == "fast")
+    decode(batch)
+    alone = Generator(TorchBackend(model, mode="eager")).generate(
+        [[5, 6, 7]], replace(SETTINGS, policy=Threshold(1e-6), seed=1))
     assert batch.finished["fast"].tokens == alone.tokens[0].tolist()
 
 
