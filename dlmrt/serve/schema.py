@@ -1,15 +1,17 @@
 """The OpenAI API's shapes as `dlmrt serve` speaks them: requests, replies and errors.
 
 A request takes every field of OpenAI's Completions or Chat Completions request, and the diffusion
-knobs (`gen_length`, `block_length`, `policy`, `threshold`, `cache`, `steps`) and
-`stream_provisional` as extra top-level fields; any other field is refused (400, naming it). Of
-OpenAI's fields, dlmrt honours `model`, the prompt or messages, `max_tokens`
-(`max_completion_tokens`), `temperature`, `seed`, `stop`, `stream` and
-`stream_options.include_usage`; identifiers and hints (`user`, `metadata`, `safety_identifier`, the
-`prompt_cache_*` fields, `parallel_tool_calls`) change nothing and are taken as they come. Every
-other field is in NO_OP_ONLY: taken at the values that ask for nothing, refused at any other with a
-400 that says why (`code` "unsupported_value", `param` the field). Every error is one JSON object in
-OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`.
+knobs (`gen_length`, `block_length`, `policy`, `threshold`, `cache`, `steps`) as extra top-level
+fields; any other field is refused (400, naming it). Of OpenAI's fields, dlmrt honours `model`, the
+prompt or messages, `max_tokens` (`max_completion_tokens`), `temperature`, `seed`, `stop`, `stream`
+and `stream_options.include_usage`;
+identifiers and hints (`user`, `metadata`, `safety_identifier`, the `prompt_cache_*` fields,
+`parallel_tool_calls`) change nothing and are taken as they come. Every other field is in
+NO_OP_ONLY: taken at the values that ask for nothing, refused at any other with a 400 that says why
+(`code` "unsupported_value", `param` the field). Every error is one JSON object in OpenAI's shape,
+`{"error": {"message", "type", "param", "code"}}`.
+
+dlmrt's own streaming field, `stream_provisional`, is top-level beside the knobs (docs/streaming.md).
 """
 
 from __future__ import annotations
