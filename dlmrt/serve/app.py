@@ -5,12 +5,13 @@
 
 Endpoints: `GET /health`, `GET /v1/models`, `GET /metrics` (Prometheus), `POST /v1/completions` and
 `POST /v1/chat/completions` (JSON, or server-sent events with one event per committed block, ending
-in `data: [DONE]`; with `stream_provisional`, also the block's provisional tokens at every K-step
-boundary, in a `dlmrt` extension object: `dlmrt.serve.provisional`). Shapes, knobs and errors:
-`dlmrt.serve.schema`. What a request leaves out comes from the model's generation_config.json, as on
-the command line. A completion ends before its first `stop` string (`dlmrt.serve.stop_strings`), and
-its row then leaves the batch; a stream holds back the text that may begin a stop string until the
-next block shows it does not.
+in `data: [DONE]`). Shapes, knobs and errors: `dlmrt.serve.schema`. What a request leaves out comes
+from the model's generation_config.json, as on the command line. A completion ends before its first
+`stop` string (`dlmrt.serve.stop_strings`), and its row then leaves the batch; a stream holds back
+the text that may begin a stop string until the next block shows it does not.
+
+With `stream_provisional`, a stream also carries the block's provisional tokens at every K-step
+boundary, in a `dlmrt` extension object of otherwise empty chunks (`dlmrt.serve.provisional`).
 
 Requests are decoded by continuous batching (`dlmrt.runtime.scheduler`): a request joins the running
 batch at the next block boundary and leaves it at the boundary after it ends, so it never waits for
