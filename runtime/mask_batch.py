@@ -135,18 +135,31 @@ class MaskBatch(RunningBatch):
         return automatic_steps(budget_left, remaining, taken, self.key.block_length, self.tokens_per_forward)
 
     def _steps_ended(self, taken: int, remaining: int, worked: int) -> None:
-        for row in self.rows:
-            row.forwards += worked
+        self._count_forwards(self.rows, worked)
         if taken:
             self.tokens_per_forward = (self.key.block_length - remaining) / taken
 
-    # -- rows out -----------------------------------------------------------------------------------
-    def _read_block(self, cancelled: list[bool]) -> list[BlockOutcome]:
+    def _count_forwards(self, rows: Sequence[MaskRow], worked: int) -> None:
+        for row in rows:
+            row.forwards += worked
+
+    def _read_drafts(self, rows: Sequence[MaskRow]) -> list[list[int | None]]:
         block_end = self.column + self.key.block_length
-        outputs = self._read_outputs([self.state.bucket.canvas if gone else block_end for gone in cancelled])
+        outputs = self._read_outputs(rows, [block_end] * len(rows), first=self.column)
+        return [[None if token == self.spec.mask_id else token for token in output[:self._left(row)]]
+                for row, output in zip(rows, outputs)]
+
+    def _left(self, row: MaskRow) -> int:
+        """The positions of its gen-length a row has from its current block's start (all, in its first block)."""
+        return row.settings.gen_length - max(0, row.block_position - row.prompt_length)
+
+    # -- rows out -----------------------------------------------------------------------------------
+    def _read_block(self, rows: Sequence[MaskRow], cancelled: list[bool]) -> list[BlockOutcome]:
+        block_end = self.column + self.key.block_length
+        outputs = self._read_outputs(rows, [self.state.bucket.canvas if gone else block_end for gone in cancelled])
         edits = self.state.edits.tolist() if self.key.policy.edits else None
         outcomes = []
-        for row, gone, output in zip(self.rows, cancelled, outputs):
+        for row, gone, output in zip(rows, cancelled, outputs):
             settled = output[:row.settings.gen_length]
             if gone:
                 reason, stops = "cancelled", False
@@ -159,12 +172,13 @@ class MaskBatch(RunningBatch):
             outcomes.append(BlockOutcome(settled, reason, fill, edits[row.slot] if edits else 0))
         return outcomes
 
-    def _read_outputs(self, ends: list[int]) -> list[list[int]]:
-        """Each row's canvas from its first generated position to its end in `ends` (one host read)."""
-        starts = [self.column - row.block_position + row.prompt_length for row in self.rows]
+    def _read_outputs(self, rows: Sequence[MaskRow], ends: list[int], first: int = 0) -> list[list[int]]:
+        """Each row's canvas from its first generated position (or canvas index `first`, when later) to
+        its end in `ends` (one host read)."""
+        starts = [max(first, self.column - row.block_position + row.prompt_length) for row in rows]
         first = min(starts)
         ids = self.state.canvas[:, first:max(ends)].tolist()
-        return [ids[row.slot][start - first:end - first] for row, start, end in zip(self.rows, starts, ends)]
+        return [ids[row.slot][start - first:end - first] for row, start, end in zip(rows, starts, ends)]
 
     def _advance(self, keep: list[MaskRow], leaving: list[int]) -> None:
         for row in keep:

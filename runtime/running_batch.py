@@ -2,8 +2,9 @@
 block boundaries (continuous batching). One loop for every family; the noise kind's batch says where
 rows sit in the bucket and what ends a block.
 
-    batch = open_batch(backend)                   # a MaskBatch or a UniformBatch, by the model's noise
+    batch = open_batch(backend, on_progress=show) # a MaskBatch or a UniformBatch, by the model's noise
     batch.add(tag, prompt, settings, seed=0)      # joins at the next block boundary
+    batch.add(tag, prompt, settings, seed=0, provisional=True)  # show(progress) at every K-step boundary
     while batch.active:
         updates = batch.run_block()               # BlockUpdates; finished rows land in batch.finished
 
@@ -40,6 +41,20 @@ class BlockUpdate:
 
 
 @dataclass(frozen=True)
+class BlockProgress:
+    """A row's current block as its steps have decided it so far, read at a K-step boundary: provisional,
+    the block's BlockUpdate is what counts. Its tokens from the block's first output position up to
+    the first end-of-sequence decided, None where a position is still undecided (a mask model's mask,
+    a uniform-noise model's position before the block's first step); none once the row's completion
+    has ended (a row with ignore_eos decodes on). Once the block's steps are over, the tokens equal
+    its BlockUpdate's."""
+
+    row: object
+    block: int
+    token_ids: list[int | None]
+
+
+@dataclass(frozen=True)
 class FinishedRow:
     tokens: list[int]  # gen_length ids: past a stop, the batch's fill (EOS, the mask id, or pad)
     finish_reason: str
@@ -53,16 +68,17 @@ def batch_key(settings: GenerationSettings) -> GenerationSettings:
                    policy=settings.policy.shared())
 
 
-def open_batch(backend: Backend, on_step: Callable[[], None] | None = None) -> RunningBatch:
+def open_batch(backend: Backend, on_step: Callable[[], None] | None = None,
+               on_progress: Callable[[list[BlockProgress]], None] | None = None) -> RunningBatch:
     """An empty running batch of the backend's model: a MaskBatch, or a UniformBatch for a
-    uniform-noise model."""
+    uniform-noise model. `on_progress` is told the progress of the rows added with `provisional`."""
     if backend.spec.noise == "uniform":
         from dlmrt.runtime.uniform_noise import UniformBatch
 
-        return UniformBatch(backend, on_step)
+        return UniformBatch(backend, on_step, on_progress)
     from dlmrt.runtime.mask_batch import MaskBatch
 
-    return MaskBatch(backend, on_step)
+    return MaskBatch(backend, on_step, on_progress)
 
 
 @dataclass(kw_only=True)
@@ -77,9 +93,11 @@ class Row:
     joined: float  # when it was added
     compile_at_join: float
     backend_at_join: float
+    provisional: bool = False  # its progress is read at every K-step boundary (on_progress)
     block: int = 0  # its current block
     slot: int = -1
     emitted: int = 0
+    ended: bool = False  # its completion reached a stop id (a row with ignore_eos decodes on past it)
     forwards: int = 0
 
     @property
@@ -100,6 +118,7 @@ class BlockOutcome(NamedTuple):
 class RunningBatch(ABC):
     backend: Backend
     on_step: Callable[[], None] | None = None
+    on_progress: Callable[[list[BlockProgress]], None] | None = None
     rows: list[Row] = field(default_factory=list)  # in the batch
     waiting: list[Row] = field(default_factory=list)  # added, joining at the next block boundary
     finished: dict[object, FinishedRow] = field(default_factory=dict)
@@ -137,14 +156,16 @@ class RunningBatch(ABC):
 
     # -- rows in ------------------------------------------------------------------------------------
     def add(self, tag: object, prompt: Sequence[int], settings: GenerationSettings, *, seed: int,
-            cancel: CancelToken | None = None) -> None:
-        """Queue a row (a checked request: `check_request`) to join at the next block boundary."""
+            cancel: CancelToken | None = None, provisional: bool = False) -> None:
+        """Queue a row (a checked request: `check_request`) to join at the next block boundary; with
+        `provisional`, `on_progress` is told its block's progress at every K-step boundary."""
         if not self.accepts(settings):
             raise ArgumentError("a row's settings differ from the batch's in more than gen-length, seed, "
                                 "ignore_eos, temperature and the policy's threshold or factor: run it in a "
                                 "batch of its own")
         row = self._new_row(prompt, settings, seed, tag=tag, cancel=cancel, joined=time.perf_counter(),
                             compile_at_join=self.compile_s, backend_at_join=self.backend_s)
+        row.provisional = provisional and self.on_progress is not None
         self.key = batch_key(settings)
         self.waiting.append(row)
 
@@ -189,12 +210,14 @@ class RunningBatch(ABC):
 
     # -- one block ----------------------------------------------------------------------------------
     def run_block(self) -> list[BlockUpdate]:
-        """Admit waiting rows, run every row's current block, and retire the rows that finished."""
+        """Admit waiting rows, run every row's current block, and retire the rows that finished. A row
+        cancelled on the way leaves at the next K-step boundary (its update comes first)."""
         self._place_waiting()
         if not self.rows:
             return []
-        cancelled = not self._run_steps()
-        return self._end_block(cancelled)
+        left: list[BlockUpdate] = []
+        cancelled = not self._run_steps(left)
+        return [*left, *self._end_block(cancelled)]
 
     @abstractmethod
     def _start_block(self) -> tuple[int, int]:
@@ -216,15 +239,26 @@ class RunningBatch(ABC):
     def _steps_ended(self, taken: int, remaining: int, worked: int) -> None:
         """The block's steps are over: `taken` ran, `worked` of them did work."""
 
-    def _run_steps(self) -> bool:
-        """Run the block's steps until every row's block is done or the budget is spent; False when
-        every row was cancelled on the way."""
+    def _count_forwards(self, rows: Sequence[Row], worked: int) -> None:
+        """Add `worked` forwards of this block to `rows` (a batch that reads them from the device needs not)."""
+
+    def _run_steps(self, left: list[BlockUpdate]) -> bool:
+        """Run the block's steps until every row's block is done or the budget is spent. Rows cancelled
+        on the way leave at the next K-step boundary, their updates added to `left`; False when every
+        row was cancelled (they leave at the block's end, as the block ends there). Rows added with
+        `provisional` have their progress read after every K steps."""
         budget, remaining = self._start_block()
         taken, worked_before = 0, self.worked
+        watched = [row for row in self.rows if row.provisional]
         try:
             while taken < budget and remaining > 0:
-                if all(row.cancelled for row in self.rows):
+                cancelled = [row.cancelled for row in self.rows]  # read once: another thread sets it
+                if all(cancelled):
                     return False
+                if any(cancelled):
+                    remaining = self._leave_now(cancelled, self.worked - worked_before, left)
+                    watched = [row for row in self.rows if row.provisional]
+                    continue
                 steps = self._steps_per_sync(budget - taken, remaining, taken)
                 calls = [(kind, count) for kind, count in self._calls(taken, steps) if count]
                 self.compile_s += sum(self.backend.prepare_steps(self.state, kind, count) for kind, count in calls)
@@ -238,14 +272,39 @@ class RunningBatch(ABC):
                 if self.on_step is not None:
                     for _ in range(steps):
                         self.on_step()
+                if watched:
+                    self.on_progress(self._progress(watched))
             return True
         finally:
             self._steps_ended(taken, remaining, self.worked - worked_before)
 
+    def _leave_now(self, cancelled: list[bool], worked: int, left: list[BlockUpdate]) -> int:
+        """The `cancelled` rows leave in the middle of the block: their outcome is read (one host read),
+        their slots become inert padding, and the others run on. Returns the most positions a row that
+        stays has left."""
+        gone = [row for row, out in zip(self.rows, cancelled) if out]
+        self._count_forwards(gone, worked)
+        for row, outcome in zip(gone, self._read_block(gone, [True] * len(gone))):
+            left.append(self._update(row, -1, outcome.settled, outcome.reason))
+            self._finish(row, outcome)
+        self.rows = [row for row, out in zip(self.rows, cancelled) if not out]
+        self.state.clear_rows([row.slot for row in gone])
+        remaining, self.worked = self._read_progress(0)
+        return remaining
+
+    @abstractmethod
+    def _read_drafts(self, rows: Sequence[Row]) -> list[list[int | None]]:
+        """Each row's current block from its first output position as the steps left it, None where a
+        position is undecided (one host read)."""
+
+    def _progress(self, rows: Sequence[Row]) -> list[BlockProgress]:
+        return [BlockProgress(row.tag, row.block, [] if row.ended else completion(draft, self.spec.eos_ids))
+                for row, draft in zip(rows, self._read_drafts(rows))]
+
     # -- rows out -----------------------------------------------------------------------------------
     @abstractmethod
-    def _read_block(self, cancelled: list[bool]) -> list[BlockOutcome]:
-        """Each row's outcome of the block (one host read); `cancelled` says which rows leave cancelled."""
+    def _read_block(self, rows: Sequence[Row], cancelled: list[bool]) -> list[BlockOutcome]:
+        """Each of `rows`' outcome of the block (one host read); `cancelled` says which leave cancelled."""
 
     @abstractmethod
     def _advance(self, keep: list[Row], leaving: list[int]) -> None:
@@ -258,7 +317,7 @@ class RunningBatch(ABC):
     def _end_block(self, every_row_cancelled: bool) -> list[BlockUpdate]:
         cancelled = [every_row_cancelled or row.cancelled for row in self.rows]  # read once: another thread sets it
         updates, keep, leaving = [], [], []
-        for row, gone, outcome in zip(self.rows, cancelled, self._read_block(cancelled)):
+        for row, gone, outcome in zip(self.rows, cancelled, self._read_block(self.rows, cancelled)):
             update = self._update(row, -1 if gone else row.block, outcome.settled, outcome.reason)
             if update.token_ids or outcome.reason:
                 updates.append(update)
@@ -274,8 +333,10 @@ class RunningBatch(ABC):
         return updates
 
     def _update(self, row: Row, block: int, settled: list[int], reason: str | None) -> BlockUpdate:
-        new = completion(settled[row.emitted:], self.stop_ids)
+        rest = settled[row.emitted:]
+        new = completion(rest, self.stop_ids)
         row.emitted += len(new)
+        row.ended = row.ended or len(new) < len(rest)
         return BlockUpdate(row.tag, block, new, reason)
 
     def _finish(self, row: Row, outcome: BlockOutcome) -> None:

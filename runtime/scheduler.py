@@ -2,7 +2,8 @@
 
     scheduler = Scheduler(backend, max_waiting=64)
     ticket = scheduler.submit(prompt, settings, deliver)   # deliver(event) is called on the worker thread
-    ticket.cancel()                                         # the row leaves at its next block boundary
+    scheduler.submit(prompt, settings, deliver, provisional=True)  # BlockProgress events too, every K steps
+    ticket.cancel()                                         # the row leaves at its next K-step boundary
     scheduler.stop()                                        # after the requests admitted have finished
 
 Design notes: docs/runtime-modules.md#scheduler.
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 
 from dlmrt.core.errors import DlmrtError
 from dlmrt.runtime.backend import Backend
-from dlmrt.runtime.running_batch import BlockUpdate, FinishedRow, RunningBatch, open_batch
+from dlmrt.runtime.running_batch import BlockProgress, BlockUpdate, FinishedRow, RunningBatch, open_batch
 from dlmrt.runtime.settings import GenerationSettings
 
 TOKENS_PER_SECOND_WINDOW_S = 10.0
@@ -43,16 +44,18 @@ class Failed:
     error: BaseException
 
 
-Event = BlockUpdate | Finished | Failed
+Event = BlockProgress | BlockUpdate | Finished | Failed
 
 
 @dataclass
 class Ticket:
-    """A submitted request: `cancel()` makes its row leave the batch at its next block boundary."""
+    """A submitted request: `cancel()` makes its row leave the batch at its next K-step boundary (or
+    before it joins)."""
 
     prompt: Sequence[int]
     settings: GenerationSettings
     deliver: Callable[[Event], None]
+    provisional: bool = False  # BlockProgress events at every K-step boundary
     submitted: float = field(default_factory=time.monotonic)
     _cancel: threading.Event = field(default_factory=threading.Event)
 
@@ -90,14 +93,16 @@ class Scheduler:
         self._worker.start()
 
     # -- the caller's side --------------------------------------------------------------------------
-    def submit(self, prompt: Sequence[int], settings: GenerationSettings, deliver: Callable[[Event], None]) -> Ticket:
-        """Queue a checked request (`check_request`); raises QueueFull or ShuttingDown."""
+    def submit(self, prompt: Sequence[int], settings: GenerationSettings, deliver: Callable[[Event], None],
+               provisional: bool = False) -> Ticket:
+        """Queue a checked request (`check_request`); raises QueueFull or ShuttingDown. With `provisional`,
+        `deliver` also gets the row's BlockProgress after every K steps (`RunningBatch.add`)."""
         with self._lock:
             if self._draining:
                 raise ShuttingDown("the server is shutting down: it takes no new request")
             if self.waiting >= self.max_waiting:
                 raise QueueFull(f"the queue is full ({self.max_waiting} requests wait): retry later")
-            ticket = Ticket(list(prompt), settings, deliver)
+            ticket = Ticket(list(prompt), settings, deliver, provisional)
             self._queue.append(ticket)
             self._lock.notify()
         return ticket
@@ -154,7 +159,7 @@ class Scheduler:
         while self._queue:
             ticket = self._queue[0]
             if self._batch is None:
-                self._batch = open_batch(self.backend)
+                self._batch = open_batch(self.backend, on_progress=self._progressed)
             if not self._batch.accepts(ticket.settings):
                 return
             self._queue.popleft()
@@ -162,7 +167,8 @@ class Scheduler:
                 continue
             tag = next(self._tags)
             try:
-                self._batch.add(tag, ticket.prompt, ticket.settings, seed=ticket.settings.seed, cancel=ticket)
+                self._batch.add(tag, ticket.prompt, ticket.settings, seed=ticket.settings.seed, cancel=ticket,
+                                provisional=ticket.provisional)
             except Exception as error:  # a row that cannot join fails alone
                 self._fail(ticket, error)
                 continue
@@ -189,6 +195,10 @@ class Scheduler:
             _deliver(self._tickets.pop(tag), Finished(row))
             self.stats.finished += 1
             self.stats.cancelled += row.finish_reason == "cancelled"
+
+    def _progressed(self, progress: list[BlockProgress]) -> None:
+        for row in progress:
+            _deliver(self._tickets[row.row], row)
 
     def _count(self, updates: list[BlockUpdate], forwards: int, sequence_forwards: int) -> None:
         tokens = sum(len(update.token_ids) for update in updates)

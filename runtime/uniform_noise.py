@@ -130,10 +130,15 @@ class UniformBatch(RunningBatch):
             return min(self.key.steps_per_sync, budget_left)
         return min(CUDA_STEPS_PER_SYNC if self.spec.device.type == "cuda" else 1, budget_left)
 
+    def _read_drafts(self, rows: Sequence[UniformRow]) -> list[list[int | None]]:
+        """The block's argmax, which the block's steps end on (-1, undecided, before its first step)."""
+        drafts = self.state.argmax[self._slots(rows)].tolist()
+        return [[None if token < 0 else token for token in draft] for draft in drafts]
+
     # -- rows out -----------------------------------------------------------------------------------
-    def _read_block(self, cancelled: list[bool]) -> list[BlockOutcome]:
+    def _read_block(self, rows: Sequence[UniformRow], cancelled: list[bool]) -> list[BlockOutcome]:
         state, pad, device = self.state, self.spec.pad_id, self.state.argmax.device
-        stopping = {row.slot for row in self.rows if not row.settings.ignore_eos and self.eos}
+        stopping = {row.slot for row in rows if not row.settings.ignore_eos and self.eos}
         stops = torch.zeros(state.bucket.batch, dtype=torch.bool)
         stops[list(stopping)] = True
         cut = pad_after_eos(state.argmax, self._eos_ids, pad, state.finished)
@@ -141,7 +146,7 @@ class UniformBatch(RunningBatch):
         self._tokens = torch.where(stops.to(device)[:, None], cut, plain)
         host = torch.cat((self._tokens, state.forwards[:, None]), dim=1).tolist()  # the one host read a block
         outcomes = []
-        for row, gone in zip(self.rows, cancelled):
+        for row, gone in zip(rows, cancelled):
             *tokens, row.forwards = host[row.slot]
             if gone:  # the block did not finish: none of it is kept
                 outcomes.append(BlockOutcome(row.settled, "cancelled", pad))

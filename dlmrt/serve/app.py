@@ -10,13 +10,16 @@ from the model's generation_config.json, as on the command line. A completion en
 `stop` string (`dlmrt.serve.stop_strings`), and its row then leaves the batch; a stream holds back
 the text that may begin a stop string until the next block shows it does not.
 
+With `stream_provisional`, a stream also carries the block's provisional tokens at every K-step
+boundary, in a `dlmrt` extension object of otherwise empty chunks (`dlmrt.serve.provisional`).
+
 Requests are decoded by continuous batching (`dlmrt.runtime.scheduler`): a request joins the running
 batch at the next block boundary and leaves it at the boundary after it ends, so it never waits for
 a whole batch; its tokens are those it would get alone. Chat renders the messages with the model's
 chat template (tokenizer_config.json, `dlmrt.core.chat_template`); a model without one answers chat with 400.
 
 Limits and faults: a full queue answers 429; a request past its time limit answers 504 and leaves
-the batch; a client that disconnects from a stream cancels its row at its next block boundary; an
+the batch; a client that disconnects from a stream cancels its row at its next K-step boundary; an
 exception inside one request answers 500 for it alone. At shutdown (SIGTERM, through uvicorn) the
 server stops listening, the requests it holds finish, then the worker stops. At startup it logs what
 it serves (the `dlmrt.serve.app` logger; `dlmrt serve` puts it beside uvicorn's).
@@ -42,8 +45,10 @@ from dlmrt.core.chat_template import ChatTemplate
 from dlmrt.core.errors import DlmrtError
 from dlmrt.runtime import text
 from dlmrt.runtime.backend import Backend
+from dlmrt.runtime.running_batch import BlockProgress
 from dlmrt.runtime.scheduler import Failed, Finished, QueueFull, Scheduler, ShuttingDown
 from dlmrt.serve.metrics import ServerMetrics
+from dlmrt.serve.provisional import Provisional, ProvisionalView
 from dlmrt.serve.stop_strings import StopScan, tokens_spanning
 
 logger = logging.getLogger(__name__)
@@ -60,22 +65,25 @@ class _Decoding:
     """One request in the scheduler, seen from the event loop: its events, up to its deadline."""
 
     def __init__(self, scheduler: Scheduler, prompt: list[int], settings, most: int, stops: list[str],
-                 decode: Callable[[list[int]], str], limits: ServerLimits):
+                 decode: Callable[[list[int]], str], limits: ServerLimits, provisional: bool = False):
         loop = asyncio.get_running_loop()
         self.events: asyncio.Queue = asyncio.Queue()
         self.arrived, self.limits, self.most = time.monotonic(), limits, most
         self.stop, self.decode = StopScan(stops), decode
+        self.provisional = ProvisionalView(decode, most)
         try:
             self.ticket = scheduler.submit(prompt, settings,
-                                           lambda event: loop.call_soon_threadsafe(self.events.put_nowait, event))
+                                           lambda event: loop.call_soon_threadsafe(self.events.put_nowait, event),
+                                           provisional)
         except QueueFull as error:
             raise ApiError(429, str(error), code="queue_full", kind="rate_limit_error") from None
         except ShuttingDown as error:
             raise ApiError(503, str(error), code="shutting_down", kind="server_error") from None
 
-    async def pieces(self) -> AsyncIterator[tuple[str, list[int], str | None]]:
+    async def pieces(self) -> AsyncIterator[tuple[str, list[int], str | None] | Provisional]:
         """(new text, its token ids, finish reason) per committed block: cut at the most tokens asked for
-        and before the first stop string (`StopScan`: text that may begin one waits for the next block)."""
+        and before the first stop string (`StopScan`: text that may begin one waits for the next block);
+        between them, for a request with `provisional`, each new snapshot of the block being decoded."""
         ids, released = [], 0  # the completion's ids so far, and how many of them went out
         try:
             while True:
@@ -84,6 +92,11 @@ class _Decoding:
                     raise _failure(event.error)
                 if isinstance(event, Finished):
                     return
+                if isinstance(event, BlockProgress):
+                    shown = self.provisional.show(event, ids)
+                    if shown is not None:
+                        yield shown
+                    continue
                 new = event.token_ids[:max(0, self.most - len(ids))]
                 ids += new
                 cut = len(new) < len(event.token_ids)
@@ -186,7 +199,7 @@ def create_app(model, backend: Backend, server_limits: ServerLimits = ServerLimi
         request.refuse_unsupported()
         ids, settings, most = _prepare(model, backend, request, prompt, most)
         return _Decoding(scheduler, ids, settings, most, request.stop, lambda ids: _text(model, ids),
-                         server_limits), ids
+                         server_limits, request.stream_provisional), ids
 
     async def finished(decoding: _Decoding) -> tuple[str, list[int], str]:
         completion, ids, reason = "", [], None
@@ -197,18 +210,25 @@ def create_app(model, backend: Backend, server_limits: ServerLimits = ServerLimi
 
     async def sse(decoding: _Decoding, header: dict, choice, prompt_tokens: int, include_usage: bool
                   ) -> AsyncIterator[str]:
-        """Server-sent events: a chunk per block that released text or tokens, where `include_usage` a last
-        chunk with no choices and the usage, then `[DONE]`; an error as its own event. Closing the stream
-        (the client went away) cancels the row at its next boundary."""
-        first, returned = True, 0
+        """Server-sent events: a chunk per block that released text or tokens (and, with provisional
+        snapshots, a chunk per snapshot with empty text and the snapshot in its `dlmrt` object), where
+        `include_usage` a last chunk with no choices and the usage, then `[DONE]`; an error as its own
+        event. Closing the stream (the client went away) cancels the row at its next K-step boundary."""
+        first, returned, committed = True, 0, False
         no_usage = {"usage": None} if include_usage else {}  # as OpenAI, on every chunk but the last
         try:
-            async for piece, ids, reason in decoding.pieces():
-                if first:
+            async for item in decoding.pieces():
+                if isinstance(item, Provisional):
+                    event = {**header, "choices": [choice("", [], None, first)], **no_usage, **item.extension()}
+                    yield f"data: {json.dumps(event)}\n\n"
+                    first = False
+                    continue
+                piece, ids, reason = item
+                if not committed:
                     metrics.first_block.observe(time.monotonic() - decoding.arrived)
                 event = {**header, "choices": [choice(piece, ids, reason, first)], **no_usage}
                 yield f"data: {json.dumps(event)}\n\n"
-                first, returned = False, returned + len(ids)
+                first, committed, returned = False, True, returned + len(ids)
             metrics.latency.observe(time.monotonic() - decoding.arrived)
             if include_usage:
                 yield f"data: {json.dumps({**header, 'choices': [], 'usage': usage(prompt_tokens, returned)})}\n\n"

@@ -10,6 +10,8 @@ identifiers and hints (`user`, `metadata`, `safety_identifier`, the `prompt_cach
 NO_OP_ONLY: taken at the values that ask for nothing, refused at any other with a 400 that says why
 (`code` "unsupported_value", `param` the field). Every error is one JSON object in OpenAI's shape,
 `{"error": {"message", "type", "param", "code"}}`.
+
+dlmrt's own streaming field, `stream_provisional`, is top-level beside the knobs (docs/streaming.md).
 """
 
 from __future__ import annotations
@@ -112,6 +114,9 @@ class OpenAIRequest(BaseModel):
     threshold: float | None = None
     cache: Literal["none", "prefix", "dual"] | None = None
     steps: int | None = Field(default=None, ge=1, le=limits.MAX_POSITIONS)
+    # dlmrt's own, top-level as the knobs are (not in stream_options, which is OpenAI's): stream the
+    # block's provisional tokens too (docs/streaming.md)
+    stream_provisional: bool = False
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -126,9 +131,10 @@ class OpenAIRequest(BaseModel):
             value = getattr(self, outer, None)
             if not _asks_nothing(getattr(value, inner, None) if inner else value, rule.accepted):
                 raise ApiError(400, f"{field}: {rule.why}", param=field, code="unsupported_value")
-        if self.stream_options is not None and not self.stream:
-            raise ApiError(400, "stream_options: only allowed with stream: true", param="stream_options",
-                           code="invalid_value")
+        for field, given in (("stream_options", self.stream_options is not None),
+                             ("stream_provisional", self.stream_provisional)):
+            if given and not self.stream:
+                raise ApiError(400, f"{field}: only allowed with stream: true", param=field, code="invalid_value")
 
     @property
     def include_usage(self) -> bool:
