@@ -1,8 +1,13 @@
-"""`dlmrt serve`'s app on a real loopback socket: uvicorn in a thread, under the transport's limits."""
+"""`dlmrt serve` on a real loopback socket: its app in uvicorn in a thread, under the transport's limits,
+or the command as its own process."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -43,3 +48,29 @@ class LiveServer:
 
     def __exit__(self, *exc):
         self.shutdown()
+
+
+@contextlib.contextmanager
+def dlmrt_serve(*options: str):
+    """`dlmrt serve` (tiny model, eager) as its own process on a free loopback port, once /health answers:
+    (the process, its port). Killed at the end if still running."""
+    import httpx
+
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "dlmrt.cli", "serve", "--mode", "eager", "--port", str(port),
+                               "--log-level", "warning", *options], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, env={**os.environ, "NO_COLOR": "1"})
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).raise_for_status()
+                break
+            except httpx.TransportError:
+                assert server.poll() is None and time.monotonic() < deadline, server.stdout.read().decode()[-2000:]
+                time.sleep(0.2)
+        yield server, port
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()

@@ -4,11 +4,8 @@ much, too slowly or not at all: each answered in OpenAI's error shape, or closed
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -22,7 +19,7 @@ import dlmrt  # noqa: E402
 from dlmrt.core.chat_template import load_chat_template  # noqa: E402
 from dlmrt.runtime.torch_backend import TorchBackend  # noqa: E402
 from dlmrt.serve.app import ServerLimits, create_app  # noqa: E402
-from live_server import LiveServer, free_port  # noqa: E402
+from live_server import LiveServer, dlmrt_serve  # noqa: E402
 
 LIMITS = ServerLimits(max_body_bytes=2 << 20, header_timeout_s=0.5, body_timeout_s=0.5)
 ERROR_KEYS = {"message", "type", "param", "code"}
@@ -88,27 +85,29 @@ def test_a_declared_length_over_the_limit_is_refused_before_the_body(live):
     assert status == 413 and openai_error(body, "body_too_large")
 
 
-def test_health_answers_within_100_ms_while_a_1_mb_prompt_is_refused(live, model):
-    """Parsing and tokenizing the megabyte (about a second here) run in a worker thread, not on the loop."""
-    done = {}
+def test_health_answers_within_100_ms_while_a_1_mb_prompt_is_refused(model):
+    """Parsing and tokenizing the megabyte (a second or more here) run in a worker thread, not on the loop.
+    The server runs as its own process, so that this client's timing shares no interpreter with it."""
+    with dlmrt_serve("--max-body-bytes", str(2 << 20)) as (_, port):
+        url, done = f"http://127.0.0.1:{port}", {}
 
-    def big():
-        body = {"model": model.name, "prompt": "1" * 1_000_000}
-        done["response"] = httpx.post(f"{live.url}/v1/completions", json=body, timeout=60)
+        def big():
+            body = {"model": model.name, "prompt": "1" * 1_000_000}
+            done["response"] = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
 
-    asking = threading.Thread(target=big)
-    asking.start()
-    latencies = []
-    with httpx.Client(base_url=live.url, timeout=10) as client:
-        while asking.is_alive():
-            started = time.perf_counter()
-            assert client.get("/health").status_code == 200
-            latencies.append(time.perf_counter() - started)
-            time.sleep(0.01)
-    asking.join()
+        asking = threading.Thread(target=big)
+        latencies = []
+        with httpx.Client(base_url=url, timeout=10) as client:
+            asking.start()
+            while asking.is_alive():
+                started = time.perf_counter()
+                assert client.get("/health").status_code == 200
+                latencies.append(time.perf_counter() - started)
+                time.sleep(0.01)
+        asking.join()
     refused = done["response"]
     assert refused.status_code == 400 and "more than the model's context" in refused.json()["error"]["message"]
-    assert len(latencies) >= 10, latencies  # the refusal took a while: /health was asked throughout
+    assert len(latencies) >= 20, latencies  # the refusal took a while: /health was asked throughout
     assert max(latencies) < 0.1, f"/health took {max(latencies) * 1000:.0f} ms behind the big prompt"
 
 
@@ -189,19 +188,7 @@ def test_a_connection_over_the_cap_gets_503_and_the_others_are_served(model):
 def test_sigterm_with_a_stalled_client_exits_0_by_the_shutdown_deadline(model):
     """`dlmrt serve` itself: a client holding half a body does not keep it alive past --shutdown-timeout,
     and a drained server exits with status 0, not as killed by the signal."""
-    port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "dlmrt.cli", "serve", "--mode", "eager", "--port", str(port),
-                               "--shutdown-timeout", "1", "--body-timeout", "60", "--log-level", "warning"],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "NO_COLOR": "1"})
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).raise_for_status()
-                break
-            except httpx.TransportError:
-                assert server.poll() is None and time.monotonic() < deadline, server.stdout.read().decode()[-2000:]
-                time.sleep(0.2)
+    with dlmrt_serve("--shutdown-timeout", "1", "--body-timeout", "60") as (server, port):
         with socket.create_connection(("127.0.0.1", port), timeout=5) as stalled:
             stalled.sendall(HEAD + b'content-length: 100\r\n\r\n{"model": ')
             time.sleep(0.2)
@@ -209,8 +196,5 @@ def test_sigterm_with_a_stalled_client_exits_0_by_the_shutdown_deadline(model):
             server.send_signal(signal.SIGTERM)
             status = server.wait(timeout=10)
             took = time.monotonic() - started
-    finally:
-        if server.poll() is None:
-            server.kill()
     assert status == 0, server.stdout.read().decode()[-2000:]
     assert 1.0 <= took < 5.0
