@@ -185,7 +185,8 @@ def create_app(model, backend: Backend, server_limits: ServerLimits = ServerLimi
         response.headers.update(error.headers or {})
         return response
 
-    app.add_middleware(BodyLimit, max_bytes=server_limits.max_body_bytes, timeout_s=server_limits.body_timeout_s)
+    app.add_middleware(BodyLimit, max_bytes=server_limits.max_body_bytes, timeout_s=server_limits.body_timeout_s,
+                       refused=lambda code: metrics.rejected.labels(code).inc())
 
     @app.get("/health")
     async def health():

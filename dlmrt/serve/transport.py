@@ -27,7 +27,9 @@ Where each limit lives, and why there:
   with status 0 after a SIGTERM (`dlmrt.cli.serve`).
 
 A client still sending when it gets 413 may see the connection reset before it reads the answer: the
-server closes rather than read a body it has refused.
+server closes rather than read a body it has refused. The body's refusals count in `/metrics`
+(`dlmrt_rejected_requests_total`); the protocol's (header deadline, connection cap, 400) come before any
+request reaches the app, and are in uvicorn's log only.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import h11
@@ -68,10 +71,11 @@ async def _answer(send, status: int, message: str, code: str, kind: str = "inval
 
 class BodyLimit:
     """ASGI middleware: the request's whole body, read within `timeout_s` of its headers and at most
-    `max_bytes` long, handed to `app` as one message (later receives go to the client, for its disconnect)."""
+    `max_bytes` long, handed to `app` as one message (later receives go to the client, for its disconnect).
+    `refused` hears the code of each refusal (the server's metrics)."""
 
-    def __init__(self, app, max_bytes: int, timeout_s: float):
-        self.app, self.max_bytes, self.timeout_s = app, max_bytes, timeout_s
+    def __init__(self, app, max_bytes: int, timeout_s: float, refused: Callable[[str], None]):
+        self.app, self.max_bytes, self.timeout_s, self.refused = app, max_bytes, timeout_s, refused
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -86,6 +90,7 @@ class BodyLimit:
             try:
                 message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
             except asyncio.TimeoutError:
+                self.refused("body_timeout")
                 return await _answer(send, 408, f"the request body did not arrive within {self.timeout_s:g} s of "
                                                 f"its headers", "body_timeout")
             if message["type"] == "http.disconnect":
@@ -107,6 +112,7 @@ class BodyLimit:
         await self.app(scope, replay, send)
 
     async def _too_large(self, send, what: str) -> None:
+        self.refused("body_too_large")
         await _answer(send, 413, f"{what}, more than the limit of {self.max_bytes}: send a shorter prompt",
                       "body_too_large")
 

@@ -76,6 +76,7 @@ def test_a_chunked_body_is_refused_with_413_as_it_crosses_the_limit(live):
     assert status == 413 and "more than the limit of 2097152" in openai_error(body, "body_too_large")["message"]
     assert time.monotonic() - started < 2
     assert httpx.get(f"{live.url}/health").status_code == 200
+    assert 'dlmrt_rejected_requests_total{reason="body_too_large"}' in httpx.get(f"{live.url}/metrics").text
 
 
 def test_a_declared_length_over_the_limit_is_refused_before_the_body(live):
