@@ -171,6 +171,7 @@ class LimitedH11Protocol(H11Protocol):
             return
         if self.conn.trailing_data[0]:  # part of a request came
             message = f"the request headers did not arrive within {self.header_timeout_s:g} s"
+            self.logger.warning("%s: %s: answered 408", "%s:%d" % self.client if self.client else "a client", message)
             self.transport.write(_raw_response(408, "Request Timeout",
                                                error_body(message, "header_timeout", "invalid_request_error")))
         self.transport.close()
