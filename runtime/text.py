@@ -25,7 +25,9 @@ def encode(model: Denoiser, text: str) -> list[int]:
         raise ArgumentError(f"the model {model.name} has no tokenizer.json: pass token ids "
                             f"(--prompt-ids) instead of text")
     try:
-        return model.tokenizer.encode(text).ids
+        # encode_batch lets go of the GIL while it works (encode holds it): a megabyte prompt tokenized in the
+        # server's worker thread then leaves the event loop running
+        return model.tokenizer.encode_batch([text])[0].ids
     except Exception as error:  # tokenizers raises plain Exceptions
         unknown = sorted({c for c in text if model.tokenizer.token_to_id(c) is None})
         detail = f"characters not in its vocabulary: {unknown}" if unknown else str(error)

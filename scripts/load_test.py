@@ -15,11 +15,21 @@ the client after their first event. Each request ends as exactly one of:
 - lost: a connection error, a timeout, a malformed response (a completion without a finish_reason too),
   a stream without `[DONE]`, or a request still in flight (or never sent) when --time-limit passed.
 
+--hostile-fraction F makes round(N * F) of the requests (drawn from those that do not stream) hostile
+clients, in turn of three kinds, each on its own raw connection: "stalled" sends its headers and half its
+body, then nothing; "oversized" declares a body of --hostile-body-bytes and sends it; "chunked" sends that
+many bytes chunked, never ending the body. A hostile request is counted apart from the normal ones, by
+kind and by what the server did: the status it answered (the server's limits say 408 for stalled, 413 for
+the others), "reset" (the server closed on a client still sending, before the answer could be read),
+"closed" (no answer), or "no answer" (none by --time-limit). The normal requests' counts, latencies and
+throughput are the phase's; `hostile_unanswered` counts the hostile clients the server never cut off.
+
 Throughput counts the completion tokens and the requests of answered requests over the wall time of a
 phase. Latency is from sending to the last byte (answered requests); time to first block is from
 sending to the first data event (streaming requests that got a completion chunk). --sequential N first
 runs the first N requests of the same mix one at a time, as the baseline of the concurrent/sequential
-ratio. The server must be on loopback. The exit status is 1 when any request was lost.
+ratio (hostile requests never run there). The server must be on loopback. The exit status is 1 when any
+normal request was lost or any hostile one got no answer.
 """
 
 from __future__ import annotations
@@ -44,6 +54,9 @@ from rich.table import Table
 from dlmrt.core import atomic, tasks
 
 OUTCOMES = ("answered", "cancelled", "refused", "lost")
+HOSTILE_KINDS = ("stalled", "oversized", "chunked")
+EXPECTED = {"stalled": ("408",), "oversized": ("413", "reset"), "chunked": ("413", "reset")}  # what limits do
+CHUNK = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -51,6 +64,7 @@ class PlannedRequest:
     prompt: str
     stream: bool
     cancel: bool  # close the stream after its first event
+    hostile: str | None = None  # one of HOSTILE_KINDS
 
 
 @dataclass
@@ -81,13 +95,17 @@ def check_loopback(ctx, param, url: str) -> str:
     return str(parsed).rstrip("/")
 
 
-def plan_requests(count: int, stream_fraction: float, cancel_fraction: float, seed: int) -> list[PlannedRequest]:
-    """`count` task-suite prompts; exact shares of them stream and are cancelled, placed at random."""
+def plan_requests(count: int, stream_fraction: float, cancel_fraction: float, seed: int,
+                  hostile_fraction: float = 0.0) -> list[PlannedRequest]:
+    """`count` task-suite prompts; exact shares of them stream, are cancelled and (of those that do not
+    stream) are hostile, in turn of each kind, placed at random."""
     rng = random.Random(seed)
     prompts = [tasks.sample(rng.choice(tuple(tasks.TASKS)), "test", rng).prompt for _ in range(count)]
     chosen = rng.sample(range(count), round(count * stream_fraction))
     streaming, cancelled = set(chosen), set(chosen[:round(count * cancel_fraction)])
-    return [PlannedRequest(prompt, i in streaming, i in cancelled) for i, prompt in enumerate(prompts)]
+    others = [i for i in range(count) if i not in streaming]
+    hostile = {i: HOSTILE_KINDS[n % 3] for n, i in enumerate(rng.sample(others, round(count * hostile_fraction)))}
+    return [PlannedRequest(prompt, i in streaming, i in cancelled, hostile.get(i)) for i, prompt in enumerate(prompts)]
 
 
 def refusal(response: httpx.Response, body: bytes) -> Result:
@@ -155,8 +173,42 @@ async def read_stream(client: httpx.AsyncClient, body: dict, cancel: bool, start
     return Result("lost", "stream ended without [DONE]")
 
 
+async def hostile(url: str, model: str, request: PlannedRequest, body_bytes: int) -> Result:
+    """One hostile client on its own connection (see the module's doc); its `reason` is what the server did."""
+    address = httpx.URL(url)
+    reader, writer = await asyncio.open_connection(address.host, address.port)
+    head = f"POST /v1/completions HTTP/1.1\r\nhost: {address.host}\r\ncontent-type: application/json\r\n"
+    payload = json.dumps({"model": model, "prompt": request.prompt}).encode()
+    answered = asyncio.ensure_future(reader.readline())  # the status line, whenever it comes
+    try:
+        try:
+            if request.hostile == "stalled":
+                writer.write(f"{head}content-length: {len(payload)}\r\n\r\n".encode() + payload[:len(payload) // 2])
+            else:
+                chunked = request.hostile == "chunked"
+                framing = "transfer-encoding: chunked" if chunked else f"content-length: {body_bytes}"
+                writer.write(f"{head}{framing}\r\n\r\n".encode())
+                piece = b"1" * CHUNK
+                for _ in range(-(-body_bytes // CHUNK)):
+                    if answered.done():
+                        break
+                    writer.write(b"%x\r\n%s\r\n" % (CHUNK, piece) if chunked else piece)
+                    await writer.drain()
+        except (ConnectionResetError, BrokenPipeError):
+            pass  # the server stopped reading: its answer may still be there
+        line = await answered
+        what = line.split()[1].decode() if line.startswith(b"HTTP/") else "closed"
+    except (ConnectionResetError, BrokenPipeError):
+        what = "reset"
+    finally:
+        answered.cancel()
+        writer.close()
+    return Result("hostile", f"{request.hostile}: {what}")
+
+
 async def run_phase(client: httpx.AsyncClient, model: str, requests: list[PlannedRequest], concurrency: int,
-                    max_tokens: int, deadline: float, progress: Progress, label: str) -> tuple[list[Result], float]:
+                    max_tokens: int, deadline: float, progress: Progress, label: str,
+                    hostile_body_bytes: int = 0) -> tuple[list[Result], float]:
     """Every request's result, in order, and the phase's wall time. At `deadline` the phase stops: what is
     in flight or not yet sent is lost."""
     gate = asyncio.Semaphore(concurrency)
@@ -169,7 +221,10 @@ async def run_phase(client: httpx.AsyncClient, model: str, requests: list[Planne
             if time.monotonic() >= deadline:
                 return
             sent[index] = True
-            results[index] = await complete(client, model, requests[index], max_tokens)
+            if requests[index].hostile:
+                results[index] = await hostile(str(client.base_url), model, requests[index], hostile_body_bytes)
+            else:
+                results[index] = await complete(client, model, requests[index], max_tokens)
             progress.advance(bar)
 
     started = time.perf_counter()
@@ -179,8 +234,9 @@ async def run_phase(client: httpx.AsyncClient, model: str, requests: list[Planne
         task.cancel()
     await asyncio.gather(*unfinished, return_exceptions=True)
     wall_s = time.perf_counter() - started
-    return [result or Result("lost", "in flight at the time limit" if was_sent else "not sent before the time limit")
-            for result, was_sent in zip(results, sent)], wall_s
+    return [result or (Result("hostile", f"{request.hostile}: no answer") if request.hostile else
+                       Result("lost", "in flight at the time limit" if was_sent else "not sent before the time limit"))
+            for result, was_sent, request in zip(results, sent, requests)], wall_s
 
 
 def percentile(values: list[float], share: float) -> float | None:
@@ -208,6 +264,18 @@ def summarize(results: list[Result], wall_s: float, concurrency: int) -> dict:
         "latency_s": {"p50": percentile(latencies, 50), "p99": percentile(latencies, 99)},
         "first_block_s": {"p50": percentile(first_blocks, 50), "p99": percentile(first_blocks, 99)},
     }
+
+
+def summarize_hostile(results: list[Result]) -> dict:
+    """The hostile requests by kind and by what the server did, and how many it never cut off."""
+    by_kind: dict[str, Counter] = {kind: Counter() for kind in HOSTILE_KINDS}
+    for result in results:
+        kind, _, what = result.reason.partition(": ")
+        by_kind[kind][what] += 1
+    return {"requests": len(results), "by_kind": {kind: dict(seen) for kind, seen in by_kind.items() if seen},
+            "unexpected": sum(n for kind, seen in by_kind.items() for what, n in seen.items()
+                              if what not in EXPECTED[kind]),
+            "unanswered": sum(seen["no answer"] for seen in by_kind.values())}
 
 
 def ratio(concurrent: dict, sequential: dict | None) -> dict | None:
@@ -251,6 +319,13 @@ def report_table(report: dict) -> Table:
                                             f"{milliseconds(p['latency_s']['p99'])}")
     row("first block p50 / p99 (ms, streams)", lambda p: f"{milliseconds(p['first_block_s']['p50'])} / "
                                                          f"{milliseconds(p['first_block_s']['p99'])}")
+    if report.get("hostile"):
+        found = report["hostile"]
+        table.add_row("hostile requests (apart from the above)", str(found["requests"]))
+        for kind, seen in found["by_kind"].items():
+            table.add_row(f"  {kind} ({' or '.join(EXPECTED[kind])} expected)",
+                          ", ".join(f"{what}: {n}" for what, n in sorted(seen.items())))
+        table.add_row("  unexpected / no answer", f"{found['unexpected']} / {found['unanswered']}")
     if report["throughput_ratio"] is not None:
         shown = {key: "n/a" if value is None else f"{value:.2f}x" for key, value in report["throughput_ratio"].items()}
         table.caption = (f"concurrent / sequential: {shown['completion_tokens_per_s']} completion tokens/s, "
@@ -259,7 +334,7 @@ def report_table(report: dict) -> Table:
 
 
 async def load_test(url: str, requests: list[PlannedRequest], concurrency: int, sequential: int, max_tokens: int,
-                    time_limit: float, progress: Progress) -> dict:
+                    time_limit: float, progress: Progress, hostile_body_bytes: int = 0) -> dict:
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     # a request's own limit is the run's: --time-limit is what cuts a stalled server off
     timeout = httpx.Timeout(time_limit, connect=10.0)
@@ -273,14 +348,16 @@ async def load_test(url: str, requests: list[PlannedRequest], concurrency: int, 
         deadline = time.monotonic() + time_limit
         baseline = None
         if sequential:
-            results, wall_s = await run_phase(client, model, requests[:sequential], 1, max_tokens, deadline, progress,
-                                              "sequential")
+            normal = [request for request in requests[:sequential] if not request.hostile]
+            results, wall_s = await run_phase(client, model, normal, 1, max_tokens, deadline, progress, "sequential")
             baseline = summarize(results, wall_s, 1)
         results, wall_s = await run_phase(client, model, requests, concurrency, max_tokens, deadline, progress,
-                                          "concurrent")
-        concurrent = summarize(results, wall_s, concurrency)
+                                          "concurrent", hostile_body_bytes)
+        concurrent = summarize([r for r in results if r.outcome != "hostile"], wall_s, concurrency)
+        hostile_results = [r for r in results if r.outcome == "hostile"]
     return {"url": url, "model": model, "time_limit_reached": time.monotonic() >= deadline,
-            "concurrent": concurrent, "sequential": baseline, "throughput_ratio": ratio(concurrent, baseline)}
+            "concurrent": concurrent, "sequential": baseline, "throughput_ratio": ratio(concurrent, baseline),
+            "hostile": summarize_hostile(hostile_results) if hostile_results else None}
 
 
 @click.command(help=__doc__.split("\n\n")[0])
@@ -301,29 +378,41 @@ async def load_test(url: str, requests: list[PlannedRequest], concurrency: int, 
               help="Seconds for the whole run; past it nothing more is sent and what is outstanding is lost.")
 @click.option("--sequential", type=click.IntRange(0), default=0, show_default=True,
               help="First run the first N requests one at a time, as the throughput baseline.")
+@click.option("--hostile-fraction", type=click.FloatRange(0, 1), default=0.0, show_default=True,
+              help="Share of the requests (none streaming) sent by hostile clients: stalled, oversized, chunked.")
+@click.option("--hostile-body-bytes", type=click.IntRange(1), default=(2 << 20) + 1, show_default=True,
+              help="The body the oversized and chunked hostile clients send (over the server's limit).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also write the report here.")
 def main(url, request_count, concurrency, stream_fraction, cancel_fraction, max_tokens, seed, time_limit, sequential,
-         json_path):
+         hostile_fraction, hostile_body_bytes, json_path):
     if round(request_count * cancel_fraction) > round(request_count * stream_fraction):
         raise click.BadParameter("more requests to cancel than streaming requests: lower it, or raise "
                                  "--stream-fraction", param_hint="--cancel-fraction")
     if sequential > request_count:
         raise click.BadParameter(f"{sequential} is more than --requests ({request_count})", param_hint="--sequential")
-    requests = plan_requests(request_count, stream_fraction, cancel_fraction, seed)
+    if round(request_count * hostile_fraction) > request_count - round(request_count * stream_fraction):
+        raise click.BadParameter("more hostile requests than requests that do not stream: lower it, or lower "
+                                 "--stream-fraction", param_hint="--hostile-fraction")
+    requests = plan_requests(request_count, stream_fraction, cancel_fraction, seed, hostile_fraction)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
-        report = asyncio.run(load_test(url, requests, concurrency, sequential, max_tokens, time_limit, progress))
+        report = asyncio.run(load_test(url, requests, concurrency, sequential, max_tokens, time_limit, progress,
+                                       hostile_body_bytes))
     report["settings"] = {"requests": request_count, "concurrency": concurrency, "stream_fraction": stream_fraction,
                           "cancel_fraction": cancel_fraction, "max_tokens": max_tokens, "seed": seed,
-                          "time_limit_s": time_limit, "sequential": sequential}
+                          "time_limit_s": time_limit, "sequential": sequential, "hostile_fraction": hostile_fraction,
+                          "hostile_body_bytes": hostile_body_bytes}
     Console(width=None if sys.stdout.isatty() else 120).print(report_table(report))
     if json_path is not None:
         atomic.write_text(json_path, json.dumps(report, indent=2))
     lost = report["concurrent"]["lost"] + (report["sequential"] or {"lost": 0})["lost"]
+    unanswered = (report["hostile"] or {"unanswered": 0})["unanswered"]
     if lost:
         click.echo(f"{lost} request(s) lost", err=True)
-    sys.exit(1 if lost else 0)
+    if unanswered:
+        click.echo(f"{unanswered} hostile client(s) never cut off by the server", err=True)
+    sys.exit(1 if lost or unanswered else 0)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,11 @@
 """`dlmrt serve`: the OpenAI-compatible server (`dlmrt.serve.app`) on uvicorn, logging through uvicorn's
-loggers at --log-level (at info: the model served, the address, a line a request)."""
+loggers at --log-level (at info: the model served, the address, a line a request), under the transport's
+limits (`dlmrt.serve.transport`). SIGTERM drains the server and exits with status 0."""
 
 from __future__ import annotations
 
 import copy
+import signal
 
 import click
 
@@ -31,11 +33,25 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvico
               help="Requests that may wait; one more gets 429.")
 @click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True), default=600.0, show_default=True,
               help="Seconds from a request's arrival to its last token; past it, 504.")
+@click.option("--max-body-bytes", type=click.IntRange(1), default=1 << 20, show_default=True,
+              help="The largest request body, counted as it arrives (chunked too); one byte more gets 413.")
+@click.option("--header-timeout", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True,
+              help="Seconds for a request's headers, from the connection's start or the request's first byte; "
+                   "past it, 408 and the connection closes.")
+@click.option("--body-timeout", type=click.FloatRange(min=0, min_open=True), default=30.0, show_default=True,
+              help="Seconds for a request's body, from the end of its headers; past it, 408.")
+@click.option("--keep-alive-timeout", type=click.FloatRange(min=0, min_open=True), default=5.0, show_default=True,
+              help="Seconds an idle connection stays open between requests.")
+@click.option("--max-connections", type=click.IntRange(1), default=512, show_default=True,
+              help="Open connections; a connection over it gets 503 and is closed.")
+@click.option("--shutdown-timeout", type=click.FloatRange(min=0), default=25.0, show_default=True,
+              help="Seconds the running requests get to finish after SIGTERM; then they are cancelled.")
 @click.option("--served-model-name", default=None, help="The name clients use [default: the model's].")
 @click.option("--log-level", type=click.Choice(LOG_LEVELS), default="info", show_default=True,
               help="uvicorn's and dlmrt's: info logs the model, the address it listens on, and a line a request.")
 @reports_errors
 def serve_command(model_dir, backend, mode, device, dtype, max_batch, host, port, max_queue, request_timeout,
+                  max_body_bytes, header_timeout, body_timeout, keep_alive_timeout, max_connections, shutdown_timeout,
                   served_model_name, log_level):
     """Serve the model over the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /health,
     /metrics), with continuous batching at block boundaries."""
@@ -47,13 +63,27 @@ def serve_command(model_dir, backend, mode, device, dtype, max_batch, host, port
     from dlmrt import TINY_MODEL_DIR
     from dlmrt.cli.backends import open_backend
     from dlmrt.serve.app import ServerLimits, create_app
+    from dlmrt.serve.transport import server_config
 
     console = Console(stderr=True)
     model, built = open_backend(backend, model_dir, dtype=dtype, mode=mode, max_batch=max_batch, device=device,
                                 engines=None, precision=None, console=console)
-    app = create_app(model, built, ServerLimits(max_queue=max_queue, request_timeout_s=request_timeout),
-                     served_model_name, chat_template=load_chat_template(model_dir or TINY_MODEL_DIR))
-    uvicorn.run(app, host=host, port=port, log_level=log_level, log_config=_logging(log_level))
+    limits = ServerLimits(max_queue=max_queue, request_timeout_s=request_timeout, max_body_bytes=max_body_bytes,
+                          header_timeout_s=header_timeout, body_timeout_s=body_timeout,
+                          keep_alive_s=keep_alive_timeout, max_connections=max_connections,
+                          shutdown_timeout_s=shutdown_timeout)
+    app = create_app(model, built, limits, served_model_name,
+                     chat_template=load_chat_template(model_dir or TINY_MODEL_DIR))
+    server = uvicorn.Server(server_config(app, limits, host=host, port=port, log_level=log_level,
+                                          log_config=_logging(log_level)))
+    # uvicorn drains on SIGTERM, then raises the signal again with the handler it found: this one makes
+    # that an exit with status 0 (a supervisor reads -15 as a crash) rather than death by the signal
+    signal.signal(signal.SIGTERM, _exit_cleanly)
+    server.run()
+
+
+def _exit_cleanly(signum, frame):
+    raise SystemExit(0)
 
 
 def _logging(level: str) -> dict:

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API over a backend (`dlmrt serve`).
 
-    app = create_app(model, backend, ServerLimits(), chat_template=load_chat_template(model_dir))
-    uvicorn.run(app, host="127.0.0.1", port=8000)
+    limits = ServerLimits()
+    app = create_app(model, backend, limits, chat_template=load_chat_template(model_dir))
+    uvicorn.Server(server_config(app, limits, host="127.0.0.1", port=8000)).run()  # dlmrt.serve.transport
 
 Endpoints: `GET /health`, `GET /v1/models`, `GET /metrics` (Prometheus), `POST /v1/completions` and
 `POST /v1/chat/completions` (JSON, or server-sent events with one event per committed block, ending
@@ -18,17 +19,24 @@ batch at the next block boundary and leaves it at the boundary after it ends, so
 a whole batch; its tokens are those it would get alone. Chat renders the messages with the model's
 chat template (tokenizer_config.json, `dlmrt.core.chat_template`); a model without one answers chat with 400.
 
-Limits and faults: a full queue answers 429; a request past its time limit answers 504 and leaves
-the batch; a client that disconnects from a stream cancels its row at its next K-step boundary; an
-exception inside one request answers 500 for it alone. At shutdown (SIGTERM, through uvicorn) the
-server stops listening, the requests it holds finish, then the worker stops. At startup it logs what
-it serves (the `dlmrt.serve.app` logger; `dlmrt serve` puts it beside uvicorn's).
+Limits and faults: the transport's limits (body size, header and body deadlines, open connections,
+the shutdown deadline) are `dlmrt.serve.transport`'s; a full queue answers 429; a request past its
+time limit answers 504 and leaves the batch; a client that disconnects from a stream cancels its row
+at its next K-step boundary; an exception inside one request answers 500 for it alone. At shutdown
+(SIGTERM, through uvicorn) the server stops listening, the requests it holds finish (until the
+shutdown deadline), then the worker stops. At startup it logs what it serves (the `dlmrt.serve.app`
+logger; `dlmrt serve` puts it beside uvicorn's).
+
+A request's body is parsed, validated, tokenized and (chat) templated in a worker thread, so a large
+prompt never holds the event loop, and with it `/health` and the streams of other requests. Every
+error, the framework's own (404, 405) included, is OpenAI's error object (`dlmrt.serve.schema`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import logging
 import time
@@ -36,11 +44,12 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
 
 from dlmrt.serve.schema import (ApiError, ChatRequest, CompletionRequest, OpenAIRequest, chat_choice, chat_delta,
-                                completion_choice, reply_header, usage)
+                                completion_choice, parse_request, reply_header, usage)
 from dlmrt.core.chat_template import ChatTemplate
 from dlmrt.core.errors import DlmrtError
 from dlmrt.runtime import text
@@ -50,6 +59,7 @@ from dlmrt.runtime.scheduler import Failed, Finished, QueueFull, Scheduler, Shut
 from dlmrt.serve.metrics import ServerMetrics
 from dlmrt.serve.provisional import Provisional, ProvisionalView
 from dlmrt.serve.stop_strings import StopScan, tokens_spanning
+from dlmrt.serve.transport import BodyLimit
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +68,13 @@ logger = logging.getLogger(__name__)
 class ServerLimits:
     max_queue: int = 64  # requests waiting to join the batch; one more gets 429
     request_timeout_s: float = 600.0  # from arrival to the last token
-    max_body_bytes: int = 1 << 20
+    # the transport's (dlmrt.serve.transport)
+    max_body_bytes: int = 1 << 20  # one more byte gets 413, chunked or not
+    header_timeout_s: float = 10.0  # from a connection's start (or a later request's first byte) to its headers
+    body_timeout_s: float = 30.0  # from a request's headers to the end of its body; past it, 408
+    keep_alive_s: float = 5.0  # an idle connection between requests is closed after this
+    max_connections: int = 512  # open connections; one more gets 503
+    shutdown_timeout_s: float = 25.0  # after SIGTERM, requests still running then are cancelled
 
 
 class _Decoding:
@@ -141,8 +157,12 @@ def create_app(model, backend: Backend, server_limits: ServerLimits = ServerLimi
     async def lifespan(app: FastAPI):
         logger.info("serving %s: %s, mode %s, max batch %d", name, type(backend).__name__, backend.executor.mode,
                     backend.ladder.max_batch)
+        # What startup built (the model, torch, the libraries: some 340,000 objects with the tiny model) leaves
+        # the collector's full passes, each of which held the event loop, /health too, for 0.6 s on 2 cores
+        gc.freeze()
         yield
         await asyncio.to_thread(scheduler.stop)  # uvicorn has let the requests it holds finish
+        gc.unfreeze()
 
     app = FastAPI(title="dlmrt", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.scheduler = scheduler
@@ -162,22 +182,24 @@ def create_app(model, backend: Backend, server_limits: ServerLimits = ServerLimi
     async def internal_error(request: Request, error: Exception):
         return answer(_failure(error))
 
-    @app.exception_handler(RequestValidationError)
-    async def invalid_request(request: Request, error: RequestValidationError):
-        first = error.errors()[0]
-        if first.get("type") == "json_invalid":
-            return answer(ApiError(400, f"the body is not valid JSON: {first.get('msg')}", code="invalid_json"))
-        field = ".".join(str(part) for part in first.get("loc", ())[1:]) or None
-        message = ("unknown field" if first.get("type") == "extra_forbidden" else first.get("msg", "invalid"))
-        return answer(ApiError(400, f"{field}: {message}" if field else message, param=field, code=first.get("type")))
+    @app.exception_handler(HTTPException)
+    async def framework_error(request: Request, error: HTTPException):
+        """The router's own refusals (an unknown path, a method a path does not take), in OpenAI's shape."""
+        path, method = request.url.path, request.method
+        if error.status_code == 404:
+            refusal = ApiError(404, f"there is no {path}: the endpoints are {', '.join(ENDPOINTS)}", code="not_found")
+        elif error.status_code == 405:
+            allowed = (error.headers or {}).get("Allow", "")
+            refusal = ApiError(405, f"{path} does not take {method}: use {allowed}", code="method_not_allowed")
+        else:
+            refusal = ApiError(error.status_code, str(error.detail), code=f"http_{error.status_code}",
+                               kind="invalid_request_error" if error.status_code < 500 else "server_error")
+        response = answer(refusal)
+        response.headers.update(error.headers or {})
+        return response
 
-    @app.middleware("http")
-    async def body_limit(request: Request, call_next):
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > server_limits.max_body_bytes:
-            return answer(ApiError(413, f"the body has {length} bytes, more than the limit of "
-                                        f"{server_limits.max_body_bytes}", code="body_too_large"))
-        return await call_next(request)
+    app.add_middleware(BodyLimit, max_bytes=server_limits.max_body_bytes, timeout_s=server_limits.body_timeout_s,
+                       refused=lambda code: metrics.rejected.labels(code).inc())
 
     @app.get("/health")
     async def health():
@@ -192,14 +214,25 @@ def create_app(model, backend: Backend, server_limits: ServerLimits = ServerLimi
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 
-    def start(request: OpenAIRequest, prompt: str | list[int], most: int | None) -> tuple[_Decoding, list[int]]:
+    def admitted(kind: type[OpenAIRequest], body: bytes):
+        """(the request, its prompt ids, settings, the most tokens to return): every check before any compute.
+        Runs in a worker thread: a megabyte prompt takes seconds to tokenize."""
+        request = parse_request(kind, body)
         if request.model != name:
             raise ApiError(404, f"the model {request.model!r} does not exist: this server runs {name!r}",
                            param="model", code="model_not_found")
         request.refuse_unsupported()
-        ids, settings, most = _prepare(model, backend, request, prompt, most)
-        return _Decoding(scheduler, ids, settings, most, request.stop, lambda ids: _text(model, ids),
-                         server_limits, request.stream_provisional), ids
+        if isinstance(request, ChatRequest):
+            prompt, most = _rendered(chat_template, name, request), request.most_tokens
+        else:
+            prompt, most = request.prompt, request.max_tokens
+        return request, *_prepare(model, backend, request, prompt, most)
+
+    async def start(http: Request, kind: type[OpenAIRequest]):
+        """(the request, its decoding, its prompt ids), parsed and checked off the event loop."""
+        request, ids, settings, most = await run_in_threadpool(admitted, kind, await http.body())
+        return request, _Decoding(scheduler, ids, settings, most, request.stop, lambda ids: _text(model, ids),
+                                  server_limits, request.stream_provisional), ids
 
     async def finished(decoding: _Decoding) -> tuple[str, list[int], str]:
         completion, ids, reason = "", [], None
@@ -242,8 +275,8 @@ def create_app(model, backend: Backend, server_limits: ServerLimits = ServerLimi
                                  media_type="text/event-stream")
 
     @app.post("/v1/completions")
-    async def completions(request: CompletionRequest):
-        decoding, prompt = start(request, request.prompt, request.max_tokens)
+    async def completions(http: Request):
+        request, decoding, prompt = await start(http, CompletionRequest)
         header = reply_header("text_completion", name)
         if request.stream:
             return streamed(request, decoding, header, prompt,
@@ -253,15 +286,8 @@ def create_app(model, backend: Backend, server_limits: ServerLimits = ServerLimi
                 "usage": usage(len(prompt), len(ids))}
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(request: ChatRequest):
-        if chat_template is None:
-            raise ApiError(400, f"{name} has no chat template (no chat_template in its tokenizer_config.json): "
-                                f"use /v1/completions with a prompt", param="messages", code="no_chat_template")
-        try:
-            rendered = chat_template.render([m.model_dump(exclude_none=True) for m in request.messages])
-        except DlmrtError as error:
-            raise ApiError(400, str(error), param="messages", code="invalid_value") from None
-        decoding, prompt = start(request, rendered, request.most_tokens)
+    async def chat_completions(http: Request):
+        request, decoding, prompt = await start(http, ChatRequest)
         if request.stream:
             return streamed(request, decoding, reply_header("chat.completion.chunk", name), prompt,
                             lambda piece, ids, reason, first: chat_delta(piece, reason, first))
@@ -270,6 +296,20 @@ def create_app(model, backend: Backend, server_limits: ServerLimits = ServerLimi
                 "usage": usage(len(prompt), len(ids))}
 
     return app
+
+
+ENDPOINTS = ("GET /health", "GET /v1/models", "GET /metrics", "POST /v1/completions", "POST /v1/chat/completions")
+
+
+def _rendered(chat_template: ChatTemplate | None, name: str, request: ChatRequest) -> str:
+    """The chat's messages through the model's template."""
+    if chat_template is None:
+        raise ApiError(400, f"{name} has no chat template (no chat_template in its tokenizer_config.json): "
+                            f"use /v1/completions with a prompt", param="messages", code="no_chat_template")
+    try:
+        return chat_template.render([m.model_dump(exclude_none=True) for m in request.messages])
+    except DlmrtError as error:
+        raise ApiError(400, str(error), param="messages", code="invalid_value") from None
 
 
 # What a settings or prompt check names (the CLI's spelling), and the request field it is about

@@ -12,6 +12,10 @@ NO_OP_ONLY: taken at the values that ask for nothing, refused at any other with 
 `{"error": {"message", "type", "param", "code"}}`.
 
 dlmrt's own streaming field, `stream_provisional`, is top-level beside the knobs (docs/streaming.md).
+
+Types are JSON's as OpenAI documents them, strictly (pydantic's strict mode): a string is never taken
+for a number or a boolean (`"max_tokens": "16"` is a 400), while a JSON integer is a number where a
+float is asked for (`"temperature": 1`). The body is JSON whatever its content type says.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from dlmrt.core import limits
 
@@ -84,7 +88,7 @@ def _asks_nothing(value: Any, accepted: tuple) -> bool:
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     include_usage: bool | None = None
     include_obfuscation: bool | None = None
@@ -93,7 +97,7 @@ class StreamOptions(BaseModel):
 class OpenAIRequest(BaseModel):
     """The fields both endpoints take: OpenAI's common ones, then the diffusion knobs."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1, le=limits.MAX_POSITIONS)
@@ -152,7 +156,7 @@ class CompletionRequest(OpenAIRequest):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     role: Literal["system", "user", "assistant", "developer"]
     content: str
@@ -230,3 +234,40 @@ def chat_delta(text: str | None, reason: str | None, first: bool) -> dict:
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
+
+
+def parse_request(kind: type[OpenAIRequest], body: bytes) -> OpenAIRequest:
+    """The request in `body`, or an ApiError that names what is wrong with it."""
+    try:
+        return kind.model_validate_json(body)
+    except ValidationError as error:
+        raise _invalid(error.errors(include_url=False)) from None
+
+
+def _invalid(errors: list[dict]) -> ApiError:
+    """A 400 for pydantic's errors: `param` the first one's field, the message every error about that field."""
+    first = errors[0]
+    if first["type"] == "json_invalid":
+        why = first["msg"].removeprefix("Invalid JSON: ")
+        return ApiError(400, f"the body is not valid JSON in UTF-8: {why}", code="invalid_json")
+    if not first["loc"]:
+        return ApiError(400, f"the body must be a JSON object: {first['msg']}", code=first["type"])
+    param = _param(first)
+    told = dict.fromkeys(f"{_param(e)}: {'unknown field' if e['type'] == 'extra_forbidden' else e['msg']}"
+                         for e in errors if e["loc"] and e["loc"][0] == first["loc"][0])
+    return ApiError(400, "; ".join(told), param=param, code=first["type"])
+
+
+def _param(error: dict) -> str:
+    """The request's own path to the field, as `messages.0.content`: without the member types pydantic puts
+    in the location of a union's errors (`prompt.str`); an unknown field is named as sent."""
+    loc = error["loc"]
+    kept = [str(part) for part in loc[:-1] if isinstance(part, int) or part in _FIELD_NAMES]
+    last = loc[-1]
+    if isinstance(last, int) or last in _FIELD_NAMES or error["type"] == "extra_forbidden":
+        kept.append(str(last))
+    return ".".join(kept)
+
+
+_FIELD_NAMES = frozenset(name for kind in (CompletionRequest, ChatRequest, ChatMessage, StreamOptions)
+                         for name in kind.model_fields)

@@ -32,7 +32,8 @@ def run_script(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def server_url():
-    """`dlmrt serve` (tiny model, eager) on 127.0.0.1 at a free port, once /health answers."""
+    """`dlmrt serve` (tiny model, eager) on 127.0.0.1 at a free port, once /health answers; a stalled body
+    gets its 408 after 1 s."""
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("fastapi", reason="the server needs the 'serve' extra")
     with socket.socket() as probe:
@@ -40,8 +41,8 @@ def server_url():
         port = probe.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
     server = subprocess.Popen([sys.executable, "-m", "dlmrt.cli", "serve", "--mode", "eager", "--port", str(port),
-                               "--max-batch", "8"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              env={**os.environ, "NO_COLOR": "1"})
+                               "--max-batch", "8", "--body-timeout", "1"], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, env={**os.environ, "NO_COLOR": "1"})
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -79,6 +80,30 @@ def test_a_mixed_load_is_fully_accounted_for(server_url, tmp_path):
         assert phase["completion_tokens_per_s"] > 0 and phase["requests_per_s"] > 0
     assert concurrent["first_block_s"]["p50"] <= concurrent["first_block_s"]["p99"]
     assert report["throughput_ratio"]["completion_tokens_per_s"] > 0 and report["model"] == "tiny-llada"
+
+
+@pytest.mark.slow
+def test_hostile_clients_are_cut_off_and_counted_apart(server_url, tmp_path):
+    report_path = tmp_path / "out.json"
+    done = run_script("--url", server_url, "--requests", "30", "--concurrency", "6", "--hostile-fraction", "0.2",
+                      "--cancel-fraction", "0", "--seed", "5", "--time-limit", "60", "--json", str(report_path))
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(report_path.read_text())
+    normal, hostile = report["concurrent"], report["hostile"]
+    assert normal["requests"] == 24 and normal["answered"] == 24 and normal["lost"] == 0
+    assert hostile["requests"] == 6 and hostile["unexpected"] == 0 and hostile["unanswered"] == 0
+    assert hostile["by_kind"]["stalled"] == {"408": 2}  # the server's --body-timeout cut them off
+    for kind in ("oversized", "chunked"):  # refused at the limit; a client still sending may see a reset
+        assert sum(hostile["by_kind"][kind].get(what, 0) for what in ("413", "reset")) == 2
+
+
+def test_hostile_requests_are_an_exact_share_of_those_that_do_not_stream():
+    plan = load_script().plan_requests(40, stream_fraction=0.5, cancel_fraction=0.1, seed=7, hostile_fraction=0.15)
+    hostile = [r.hostile for r in plan if r.hostile]
+    assert sorted(hostile) == ["chunked"] * 2 + ["oversized"] * 2 + ["stalled"] * 2
+    assert not any(r.stream for r in plan if r.hostile) and sum(r.stream for r in plan) == 20
+    unplanned = load_script().plan_requests(40, stream_fraction=0.5, cancel_fraction=0.1, seed=7)
+    assert [(r.prompt, r.stream, r.cancel) for r in plan] == [(r.prompt, r.stream, r.cancel) for r in unplanned]
 
 
 @pytest.mark.parametrize("url", ["http://10.1.2.3:8000", "http://example.com", "http://0.0.0.0:8000"])

@@ -129,8 +129,7 @@ def test_dlmrt_serve_answers_on_loopback_logs_and_stops_on_sigterm(log_level):
                            json={"model": "tiny-llada", "prompt": "add:762+139="}).json()
         assert reply["choices"][0]["finish_reason"] == "stop"
         server.send_signal(signal.SIGTERM)
-        # uvicorn shuts down, then re-raises the signal it caught, as a process ended by SIGTERM reports
-        assert server.wait(timeout=30) in (0, -signal.SIGTERM)
+        assert server.wait(timeout=30) == 0  # drained: not reported as killed by the signal
     finally:
         if server.poll() is None:
             server.kill()

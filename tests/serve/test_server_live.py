@@ -4,7 +4,6 @@ requests batched continuously, a full queue, a client killed mid-stream, and dra
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -14,43 +13,15 @@ import pytest
 pytest.importorskip("fastapi", reason="the server needs the 'serve' extra")
 
 import httpx  # noqa: E402
-import uvicorn  # noqa: E402
 
 import dlmrt  # noqa: E402
 from dlmrt.core.chat_template import load_chat_template  # noqa: E402
 from dlmrt.runtime import GenerationSettings, Generator, text  # noqa: E402
 from dlmrt.runtime.torch_backend import TorchBackend  # noqa: E402
 from dlmrt.serve.app import ServerLimits, create_app  # noqa: E402
+from live_server import LiveServer  # noqa: E402
 
 PROMPTS = ["add:762+139=", "rev:abcdefghij=", "sort:3142=", "rev:abc=", "add:5+17=", "sort:987123="]
-
-
-class LiveServer:
-    """uvicorn serving `app` on a free loopback port, in a thread."""
-
-    def __init__(self, app):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            self.port = probe.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.app = app
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "the server did not start"
-            time.sleep(0.02)
-        return self
-
-    def shutdown(self):
-        self.server.should_exit = True  # what uvicorn's SIGTERM handler does
-        self.thread.join(60)
-
-    def __exit__(self, *exc):
-        self.shutdown()
 
 
 def slowed(backend, seconds: float):
