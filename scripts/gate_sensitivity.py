@@ -9,11 +9,12 @@ reference loop, torch eager, torch compile and ONNX Runtime) as `dlmrt bench` do
 without delay records the baseline. Then the gate runs --runs times at each delay d (the delays in
 turn, run after run), every step the executor runs sleeping d ms, or with "10%" a tenth of its own
 time: a pure delay, as a regression in the step would add (--delay-kind work: CPU time instead); the
-reference loop runs no executor and is untouched. A run fails as the gate
-does: a case's speed ratio to the reference is `slower` than the baseline's by more than --margin,
-or the modes' sanity fails, and the same again in one rerun. Printed per d: how much slower each
-case's step and how much lower its ratio to the reference came out (medians over the runs), how many
-runs the ratios and the modes caught, and whom the canary blamed (d = 0: false alarms).
+reference loop runs no executor and is untouched. A run fails as the gate does: a case's speed ratio
+to the reference is `slower` than the baseline's by more than the margin (each of --margins, on the
+same timings), or the modes' sanity fails, and the same again in one rerun. Printed per d: how much
+slower each case's step and how much lower its ratio to the reference came out (medians over the
+runs), how many runs the ratios and the modes caught, and whom the canary blamed (d = 0: false
+alarms).
 """
 
 from __future__ import annotations
@@ -140,13 +141,22 @@ def judge(rounds: paired.Rounds, baseline: paired.Rounds, margin: float) -> dict
     return found
 
 
-def gate_run(time_rounds: Callable[[int], paired.Rounds], baseline: paired.Rounds, margin: float, seed: int) -> dict:
-    """One run of the gate: a timing, and a rerun when it fails; what fails in both is caught."""
-    first = judge(time_rounds(seed), baseline, margin)
-    again = judge(time_rounds(seed + 1000), baseline, margin) if first["slower"] or first["modes"] else None
-    return {"first": first, "rerun": again,
-            "caught": sorted(set(first["slower"]) & set(again["slower"])) if again else [],
-            "modes_caught": bool(again and first["modes"] and again["modes"])}
+def gate_run(time_rounds: Callable[[int], paired.Rounds], baseline: paired.Rounds, margins: list[float],
+             seed: int) -> dict[float, dict]:
+    """One run of the gate at each margin, on the same timings: a timing, and a rerun when it fails at
+    some margin; what fails in both is caught."""
+    first_rounds, again_rounds = time_rounds(seed), None
+    judged = {}
+    for margin in margins:
+        first = judge(first_rounds, baseline, margin)
+        again = None
+        if first["slower"] or first["modes"]:
+            again_rounds = again_rounds or time_rounds(seed + 1000)
+            again = judge(again_rounds, baseline, margin)
+        judged[margin] = {"first": first, "rerun": again,
+                          "caught": sorted(set(first["slower"]) & set(again["slower"])) if again else [],
+                          "modes_caught": bool(again and first["modes"] and again["modes"])}
+    return judged
 
 
 def main() -> None:
@@ -157,7 +167,8 @@ def main() -> None:
                         help="comma-separated: ms added to every step, or with % a share of each run's own time")
     parser.add_argument("--runs", type=int, default=5, help="gate runs per delay")
     parser.add_argument("--rounds", type=int, default=9, help="interleaved rounds per timing")
-    parser.add_argument("--margin", type=float, default=paired.MAX_MARGIN)
+    parser.add_argument("--margins", default=f"0.05,0.08,{paired.MAX_MARGIN}",
+                        help="comma-separated: the gate's margins, each judged on the same timings")
     parser.add_argument("--delay-kind", choices=("sleep", "work"), default="sleep",
                         help="sleep: a pure delay; work: as much CPU time, a busy loop (under load, a sleep "
                              "is partly absorbed: the scheduler runs the process longer after it)")
@@ -166,12 +177,13 @@ def main() -> None:
     parser.add_argument("--output-json", type=Path, default=None, help="also write every run's judgement")
     args = parser.parse_args()
     delays = [d.strip() for d in args.delays.split(",")]
+    margins = [float(m) for m in args.margins.split(",")]
     torch.set_num_threads(args.threads)
     console = Console(stderr=True)
     started = time.perf_counter()
     _, scenarios = bench_suite.load_suite(args.suite)
     scenario = next(s for s in scenarios if s.name == args.scenario)
-    runs: dict[str, list[dict]] = {}
+    runs: dict[str, list[dict[float, dict]]] = {}
     with tempfile.TemporaryDirectory() as scratch, BusyCore(args.busy), Progress(console=console) as progress:
         cases = build_cases(scenario, args.threads, Path(scratch), console)
         task = progress.add_task("warm-up and baseline", total=None)
@@ -185,7 +197,7 @@ def main() -> None:
             for delay in delays:
                 progress.update(task, description=f"run {run + 1}/{args.runs}, delay {delay}")
                 with delayed_steps(delay, args.delay_kind):
-                    runs.setdefault(delay, []).append(gate_run(time_rounds, baseline, args.margin, seed=1 + run))
+                    runs.setdefault(delay, []).append(gate_run(time_rounds, baseline, margins, seed=1 + run))
     wall = time.perf_counter() - started
     Console(width=None if sys.stdout.isatty() else 150).print(results_table(runs, step_ms(baseline), args, wall))
     if args.output_json is not None:
@@ -195,10 +207,10 @@ def main() -> None:
                                                 "wall_s": wall, "runs": runs}, indent=2) + "\n")
 
 
-def results_table(runs: dict[str, list[dict]], base_step: dict[str, float], args, wall: float) -> Table:
+def results_table(runs: dict[str, list[dict[float, dict]]], base_step: dict[str, float], args, wall: float) -> Table:
     kind = "a pure delay" if args.delay_kind == "sleep" else "CPU work"
     table = Table(title=f"the paired gate against {kind} in every step: {args.runs} runs a delay, "
-                        f"{args.rounds} rounds a timing, margin {args.margin:.0%}, {args.threads} thread(s)"
+                        f"{args.rounds} rounds a timing, {args.threads} thread(s)"
                         f"{', one core kept busy' if args.busy else ''}",
                   caption=f"per case: its step's change / its ratio to the reference's change (medians of the runs); "
                           f"steps without delay {', '.join(f'{k} {v:.2f} ms' for k, v in base_step.items())}; "
@@ -206,19 +218,22 @@ def results_table(runs: dict[str, list[dict]], base_step: dict[str, float], args
     table.add_column("delay a step", justify="right")
     for label in base_step:
         table.add_column(label, justify="right")
-    for column in ("ratios caught", "modes caught", "gate fails", "canary blames"):
+    for column in ("margin", "ratios caught", "modes caught", "gate fails", "canary blames"):
         table.add_column(column, justify="right")
-    for delay, found in runs.items():
-        cells = [f"{statistics.median(r['first']['step_change'][label] for r in found):+.0%} / "
-                 f"{statistics.median(r['first']['ratio_change'][label] for r in found):+.0%}" for label in base_step]
-        caught = [label for r in found for label in r["caught"]]
-        blamed = [r["first"]["blame"] for r in found if r["first"]["blame"]]
-        table.add_row(delay if delay.endswith("%") else f"{delay} ms", *cells,
-                      f"{sum(bool(r['caught']) for r in found)}/{len(found)}"
-                      + "".join(f", {label} {caught.count(label)}" for label in dict.fromkeys(caught)),
-                      f"{sum(r['modes_caught'] for r in found)}/{len(found)}",
-                      f"{sum(bool(r['caught']) or r['modes_caught'] for r in found)}/{len(found)}",
-                      ", ".join(f"{who} {blamed.count(who)}" for who in dict.fromkeys(blamed)) or "-")
+    for delay, judged in runs.items():
+        for margin in judged[0]:
+            found = [run[margin] for run in judged]
+            cells = [f"{statistics.median(r['first']['step_change'][label] for r in found):+.0%} / "
+                     f"{statistics.median(r['first']['ratio_change'][label] for r in found):+.0%}"
+                     for label in base_step]
+            caught = [label for r in found for label in r["caught"]]
+            blamed = [r["first"]["blame"] for r in found if r["first"]["blame"]]
+            table.add_row(delay if delay.endswith("%") else f"{delay} ms", *cells, f"{margin:.0%}",
+                          f"{sum(bool(r['caught']) for r in found)}/{len(found)}"
+                          + "".join(f", {label} {caught.count(label)}" for label in dict.fromkeys(caught)),
+                          f"{sum(r['modes_caught'] for r in found)}/{len(found)}",
+                          f"{sum(bool(r['caught']) or r['modes_caught'] for r in found)}/{len(found)}",
+                          ", ".join(f"{who} {blamed.count(who)}" for who in dict.fromkeys(blamed)) or "-")
     return table
 
 
