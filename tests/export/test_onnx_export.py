@@ -94,7 +94,7 @@ def test_manifest_records_the_contract(exported):
     assert [i["name"] for i in cached["inputs"]][-5:] == ["past_kv", "past_positions", "past_key_mask", "z",
                                                           "certainty"]
     assert [o["name"] for o in cached["outputs"]] == ["new_ids", "confidence", "commit", "committed", "kv",
-                                                      "next_z", "next_certainty"]
+                                                      "next_z", "next_certainty", "logits"]
 
 
 def test_the_custom_node_and_its_function_are_in_each_graph(exported):

@@ -1,0 +1,157 @@
+"""Logprobs: each committed token's log-probability is `log_softmax` of the logits of the step that
+committed it, at its position, taken at the token; and a batch in which no row asks does no logprob
+work at all.
+
+The reference is the model's own forward, run here on the canvas each step saw (the step's inputs as
+the backend's `observe` hands them over), with `log_softmax` written out in the test.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import dlmrt
+from dlmrt.bench.counted import count_work
+from dlmrt.runtime import GenerationSettings, Generator, Threshold, text
+from dlmrt.runtime import device_step
+from dlmrt.runtime.device_state import Bucket, DeviceState
+from dlmrt.runtime.running_batch import open_batch
+from dlmrt.runtime.torch_backend import TorchBackend, spec_of
+
+SETTINGS = GenerationSettings(16, 8, Threshold(0.7), logprobs=5)  # temperature 0, cache none: whole-canvas steps
+
+
+@pytest.fixture(scope="module")
+def model():
+    return dlmrt.load()
+
+
+@pytest.fixture(scope="module")
+def prompts(model):
+    return [text.encode(model, "12+7="), text.encode(model, "34+5=")]
+
+
+class StepRecorder:
+    """The inputs of every step, as the step read them."""
+
+    def __init__(self):
+        self.steps: list[dict[str, torch.Tensor]] = []
+
+    def __call__(self, inputs) -> None:
+        self.steps.append({name: inputs[name].clone() for name in ("ids", "positions", "key_mask", "block_index")})
+
+
+def reference_logprobs(model, step: dict[str, torch.Tensor]) -> torch.Tensor:
+    """`[B, block, V]`: log_softmax of the model's logits on the step's canvas, at the block's positions."""
+    with torch.no_grad():
+        logits = model.denoise(step["ids"], positions=step["positions"], key_mask=step["key_mask"]).logits.double()
+    logits = logits[:, step["block_index"]]
+    return logits - logits.exp().sum(-1, keepdim=True).log()
+
+
+def committing_step(steps, row: int, position: int, mask_id: int) -> tuple[dict, int]:
+    """The step that committed the token at `position` (a row's position count): the last one that saw it
+    masked; and its index in that step's block."""
+    for step in reversed(steps):
+        canvas_index = int((step["positions"][row] == position).nonzero()[-1])
+        if step["ids"][row, canvas_index] == mask_id:
+            return step, int((step["block_index"] == canvas_index).nonzero()[0])
+    raise AssertionError(f"no step saw position {position} of row {row} masked")
+
+
+def check_against_model(model, steps, prompts, tokens_of_row, logprobs_of_row, atol: float) -> int:
+    """Every committed token's logprob and top alternatives against the reference; returns how many."""
+    checked = 0
+    for row, prompt in enumerate(prompts):
+        tokens, logprobs = tokens_of_row[row], logprobs_of_row[row]
+        assert len(tokens) == len(logprobs) > 0
+        for index, (token, found) in enumerate(zip(tokens, logprobs)):
+            step, j = committing_step(steps, row, len(prompt) + index, model.tokens.mask_id)
+            expected = reference_logprobs(model, step)[row, j]
+            assert found.logprob == pytest.approx(float(expected[token]), abs=atol)
+            without_mask = expected.clone()
+            without_mask[model.tokens.mask_id] = float("-inf")
+            top = without_mask.topk(len(found.top))
+            assert [t for t, _ in found.top] == top.indices.tolist()
+            assert [v for _, v in found.top] == pytest.approx(top.values.tolist(), abs=atol)
+            checked += 1
+    return checked
+
+
+def stream_with_logprobs(generator: Generator, prompts, settings):
+    tokens, logprobs = [[] for _ in prompts], [[] for _ in prompts]
+    for update in generator.stream(prompts, settings):
+        tokens[update.row] += update.token_ids
+        logprobs[update.row] += update.logprobs
+    return tokens, logprobs
+
+
+def test_torch_logprob_is_log_softmax_of_the_committing_step(model, prompts):
+    recorder = StepRecorder()
+    generator = Generator(TorchBackend(model, mode="eager", observe=recorder))
+    tokens, logprobs = stream_with_logprobs(generator, prompts, SETTINGS)
+    assert check_against_model(model, recorder.steps, prompts, tokens, logprobs, atol=1e-5) >= 4
+    # more than one token a step: the rule commits in parallel, and each takes its own position's logits
+    assert len(recorder.steps) < sum(len(t) for t in tokens)
+
+
+def test_asking_changes_no_token(model, prompts):
+    plain = Generator(model, mode="eager").generate(prompts, dataclasses.replace(SETTINGS, logprobs=None)).tokens
+    asked = Generator(model, mode="eager").generate(prompts, SETTINGS).tokens
+    assert torch.equal(plain, asked)
+
+
+def test_rows_that_do_not_ask_get_none_beside_one_that_does(model, prompts):
+    batch = open_batch(TorchBackend(model, mode="eager"))
+    batch.add("asks", prompts[0], dataclasses.replace(SETTINGS, logprobs=2), seed=0)
+    batch.add("not", prompts[1], dataclasses.replace(SETTINGS, logprobs=None), seed=0)
+    updates = []
+    while batch.active:
+        updates += batch.run_block()
+    asks = [u for u in updates if u.row == "asks"]
+    assert all(u.logprobs is None for u in updates if u.row == "not")
+    assert all(len(u.logprobs) == len(u.token_ids) and all(len(lp.top) == 2 for lp in u.logprobs) for u in asks)
+    assert sum(len(u.token_ids) for u in asks) > 0
+
+
+def test_a_step_that_no_row_asks_for_does_no_logprob_work(model, prompts):
+    """The counted aten ops of a step (dlmrt.bench.counted) are those of a step without logprobs exactly when no
+    row asks; asking adds exactly the ops of `record_logprobs`, and nothing else."""
+    settings = GenerationSettings(16, 8, Threshold(0.9), cache="dual")
+    plain = count_work("torch:eager", model, prompts, settings)
+    asked = count_work("torch:eager", model, prompts, dataclasses.replace(settings, logprobs=3))
+    state = DeviceState.allocate(spec_of(model), Bucket(batch=2, canvas=32, block=8))
+    state.allocate_logprobs(3)
+    recording = RecordedOps()
+    with recording:
+        device_step.record_logprobs(state, torch.zeros(2, 8, model.vocab_size), state.canvas[:, :8],
+                                    torch.zeros(2, 8, dtype=torch.bool))
+    assert asked.aten_ops_per_step - plain.aten_ops_per_step == recording.count > 0
+    assert (plain.nfe, plain.host_reads) == (asked.nfe, asked.host_reads - asked.blocks * 3)
+
+
+class RecordedOps(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+ort = pytest.importorskip("onnxruntime")
+
+
+def test_ort_logprob_is_log_softmax_of_the_committing_step(model, prompts, tiny_export):
+    from dlmrt.runtime.ort_backend import OrtBackend
+
+    recorder = StepRecorder()
+    backend = OrtBackend(tiny_export, observe=lambda graph, inputs: recorder(inputs))
+    tokens, logprobs = stream_with_logprobs(Generator(backend), prompts, SETTINGS)
+    assert check_against_model(model, recorder.steps, prompts, tokens, logprobs, atol=1e-4) >= 4
+    torch_tokens, _ = stream_with_logprobs(Generator(model, mode="eager"), prompts, SETTINGS)
+    assert tokens == torch_tokens
