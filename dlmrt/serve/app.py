@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -43,6 +44,7 @@ from dlmrt.core.errors import DlmrtError
 from dlmrt.runtime import text
 from dlmrt.runtime.backend import Backend
 from dlmrt.runtime.scheduler import Failed, Finished, QueueFull, Scheduler, ShuttingDown
+from dlmrt.serve.logprobs import CompletionLogprobs, chat_logprobs
 from dlmrt.serve.metrics import ServerMetrics
 from dlmrt.serve.stop_strings import StopScan, tokens_spanning
 
@@ -65,6 +67,8 @@ class _Decoding:
         self.events: asyncio.Queue = asyncio.Queue()
         self.arrived, self.limits, self.most = time.monotonic(), limits, most
         self.stop, self.decode = StopScan(stops), decode
+        self.alternatives = settings.logprobs  # None: the request asks for no logprobs
+        self.token_logprobs: list = []  # of the completion's ids so far, where it asks (TokenLogprob)
         try:
             self.ticket = scheduler.submit(prompt, settings,
                                            lambda event: loop.call_soon_threadsafe(self.events.put_nowait, event))
@@ -86,6 +90,7 @@ class _Decoding:
                     return
                 new = event.token_ids[:max(0, self.most - len(ids))]
                 ids += new
+                self.token_logprobs += (event.logprobs or [])[:len(new)]
                 cut = len(new) < len(event.token_ids)
                 reason = "length" if cut else event.finish_reason or ("length" if len(ids) >= self.most else None)
                 so_far = self.decode(ids)
@@ -179,10 +184,15 @@ def create_app(model, backend: Backend, server_limits: ServerLimits = ServerLimi
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 
-    def start(request: OpenAIRequest, prompt: str | list[int], most: int | None) -> tuple[_Decoding, list[int]]:
+    token_text = _token_text(model)
+
+    def check_model(request: OpenAIRequest) -> None:
         if request.model != name:
             raise ApiError(404, f"the model {request.model!r} does not exist: this server runs {name!r}",
                            param="model", code="model_not_found")
+
+    def start(request: OpenAIRequest, prompt: str | list[int], most: int | None) -> tuple[_Decoding, list[int]]:
+        check_model(request)
         request.refuse_unsupported()
         ids, settings, most = _prepare(model, backend, request, prompt, most)
         return _Decoding(scheduler, ids, settings, most, request.stop, lambda ids: _text(model, ids),
@@ -221,15 +231,45 @@ def create_app(model, backend: Backend, server_limits: ServerLimits = ServerLimi
         return StreamingResponse(sse(decoding, header, choice, len(prompt), request.include_usage),
                                  media_type="text/event-stream")
 
+    def logprobs_of(decoding: _Decoding, shape: Callable[[list[int], list], dict]) -> Callable[[list[int]], dict]:
+        """The logprobs of each next run of the completion's ids, in `shape` (None where not asked)."""
+        taken = 0
+
+        def take(ids: list[int]) -> dict | None:
+            nonlocal taken
+            entries = decoding.token_logprobs[taken:taken + len(ids)]
+            taken += len(ids)
+            return shape(ids, entries) if decoding.alternatives is not None else None
+        return take
+
+    async def scored(request: CompletionRequest) -> dict:
+        """echo with max_tokens 0: the prompt, scored by the denoiser (`dlmrt.runtime.scoring`)."""
+        from dlmrt.runtime.scoring import score
+
+        check_model(request)
+        request.refuse_unsupported()
+        alternatives = request.alternatives()
+        ids, block = _scoring_input(model, backend, request)
+        logprobs = None
+        if alternatives is not None:
+            entries = await asyncio.to_thread(score, backend, ids, block, alternatives)
+            logprobs = CompletionLogprobs(token_text, alternatives).take(ids, entries)
+        echoed = request.prompt if isinstance(request.prompt, str) else _text(model, ids)
+        return {**reply_header("text_completion", name), "choices": [completion_choice(echoed, [], "length", logprobs)],
+                "usage": usage(len(ids), 0)}
+
     @app.post("/v1/completions")
     async def completions(request: CompletionRequest):
+        if request.scores:
+            return await scored(request)
         decoding, prompt = start(request, request.prompt, request.max_tokens)
         header = reply_header("text_completion", name)
+        logprobs = logprobs_of(decoding, CompletionLogprobs(token_text, decoding.alternatives or 0).take)
         if request.stream:
             return streamed(request, decoding, header, prompt,
-                            lambda piece, ids, reason, first: completion_choice(piece, ids, reason))
+                            lambda piece, ids, reason, first: completion_choice(piece, ids, reason, logprobs(ids)))
         completion, ids, reason = await finished(decoding)
-        return {**header, "choices": [completion_choice(completion, ids, reason)],
+        return {**header, "choices": [completion_choice(completion, ids, reason, logprobs(ids))],
                 "usage": usage(len(prompt), len(ids))}
 
     @app.post("/v1/chat/completions")
@@ -242,18 +282,21 @@ def create_app(model, backend: Backend, server_limits: ServerLimits = ServerLimi
         except DlmrtError as error:
             raise ApiError(400, str(error), param="messages", code="invalid_value") from None
         decoding, prompt = start(request, rendered, request.most_tokens)
+        logprobs = logprobs_of(decoding, lambda ids, entries: chat_logprobs(ids, entries, token_text,
+                                                                            decoding.alternatives or 0))
         if request.stream:
             return streamed(request, decoding, reply_header("chat.completion.chunk", name), prompt,
-                            lambda piece, ids, reason, first: chat_delta(piece, reason, first))
+                            lambda piece, ids, reason, first: chat_delta(piece, reason, first, logprobs(ids)))
         content, ids, reason = await finished(decoding)
-        return {**reply_header("chat.completion", name), "choices": [chat_choice(content, reason)],
+        return {**reply_header("chat.completion", name), "choices": [chat_choice(content, reason, logprobs(ids))],
                 "usage": usage(len(prompt), len(ids))}
 
     return app
 
 
 # What a settings or prompt check names (the CLI's spelling), and the request field it is about
-_FIELDS_NAMED = (("prompt", "prompt"), ("gen-length", "gen_length"), ("block-length", "block_length"),
+_FIELDS_NAMED = (("logprobs", "logprobs"),
+                 ("prompt", "prompt"), ("gen-length", "gen_length"), ("block-length", "block_length"),
                  ("policy", "policy"), ("threshold", "threshold"), ("steps", "steps"), ("cache", "cache"),
                  ("temperature", "temperature"), ("seed", "seed"))
 
@@ -274,6 +317,26 @@ def _text(model, ids: list[int]) -> str:
     return text.decode(model, ids) or ""
 
 
+def _token_text(model) -> Callable[[int], str]:
+    """A token's own text, special tokens included (its id, where the model has no tokenizer)."""
+    if model.tokenizer is None:
+        return str
+    return lambda token: model.tokenizer.decode([token], skip_special_tokens=False)
+
+
+def _scoring_input(model, backend: Backend, request: CompletionRequest) -> tuple[list[int], int]:
+    """(the prompt's ids, the block length) of a request that scores its prompt; every check before any compute."""
+    from dlmrt.runtime.scoring import check_scoring
+
+    block = request.block_length or model.generation_config.get("block_length") or model.default_block_length
+    try:
+        ids = text.encode(model, request.prompt) if isinstance(request.prompt, str) else list(request.prompt)
+        check_scoring(backend, ids)
+    except DlmrtError as error:
+        raise ApiError(400, f"prompt: {error}", param="prompt", code="invalid_value") from None
+    return ids, block or len(ids)
+
+
 def _prepare(model, backend: Backend, request: OpenAIRequest, prompt: str | list[int], wanted: int | None):
     """(prompt ids, settings, the most tokens to return) for a request; every check before any compute."""
     from dlmrt.runtime.settings import check_request, settings_with_defaults
@@ -291,6 +354,7 @@ def _prepare(model, backend: Backend, request: OpenAIRequest, prompt: str | list
             confidence="prob", minimal_topk=1, editing_threshold=None, max_post_steps=None, preset=None,
             entropy_bound=None, cache=request.cache or "none", max_block_steps=None,
             temperature=request.temperature or 0.0, cfg_scale=0.0, seed=request.seed or 0, steps_per_sync=None)
+        settings = dataclasses.replace(settings, logprobs=request.alternatives())
         check_request(backend.spec, [ids], settings)
     except DlmrtError as error:
         raise ApiError(400, str(error), param=_param_named(str(error), request), code="invalid_value") from None
