@@ -143,10 +143,12 @@ class RecordedOps(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-ort = pytest.importorskip("onnxruntime")
+def needs_onnxruntime():
+    pytest.importorskip("onnxruntime", reason="the ort backend needs the 'onnx' extra")
 
 
 def test_ort_logprob_is_log_softmax_of_the_committing_step(model, prompts, tiny_export):
+    needs_onnxruntime()
     from dlmrt.runtime.ort_backend import OrtBackend
 
     recorder = StepRecorder()
@@ -155,3 +157,33 @@ def test_ort_logprob_is_log_softmax_of_the_committing_step(model, prompts, tiny_
     assert check_against_model(model, recorder.steps, prompts, tokens, logprobs, atol=1e-4) >= 4
     torch_tokens, _ = stream_with_logprobs(Generator(model, mode="eager"), prompts, SETTINGS)
     assert tokens == torch_tokens
+
+
+def reference_scores(model, ids: list[int], block: int) -> list[float]:
+    """Each token's log_softmax with its block masked, from the model's forward on the text alone."""
+    scores = []
+    for start in range(0, len(ids), block):
+        masked = torch.tensor([ids])
+        masked[0, start:start + block] = model.tokens.mask_id
+        with torch.no_grad():
+            logits = model.denoise(masked).logits[0, start:start + block].double()
+        logp = logits - logits.exp().sum(-1, keepdim=True).log()
+        scores += [float(logp[j, token]) for j, token in enumerate(ids[start:start + block])]
+    return scores
+
+
+@pytest.mark.parametrize("backend_name", ["torch", "ort"])
+def test_scoring_a_text_is_log_softmax_with_its_block_masked(model, request, backend_name):
+    from dlmrt.runtime.scoring import score
+
+    if backend_name == "ort":
+        needs_onnxruntime()
+        from dlmrt.runtime.ort_backend import OrtBackend
+
+        backend = OrtBackend(request.getfixturevalue("tiny_export"))
+    else:
+        backend = TorchBackend(model, mode="eager")
+    ids = text.encode(model, "add:762+139=901")  # 15 tokens: the last block of 4 runs past the text
+    entries = score(backend, ids, 4, alternatives=3)
+    assert [e.logprob for e in entries] == pytest.approx(reference_scores(model, ids, 4), abs=1e-4)
+    assert all(len(e.top) == 3 and model.tokens.mask_id not in dict(e.top) for e in entries)

@@ -15,8 +15,9 @@ COMPLETION = {"prompt": "add:762+139="}
 CHAT = {"messages": [{"role": "user", "content": "add:762+139="}]}
 NO_OPS = {"top_p": 1, "frequency_penalty": 0, "presence_penalty": 0, "logit_bias": {}, "n": 1, "user": "someone"}
 COMPLETION_NO_OPS = {**NO_OPS, "logprobs": None, "echo": False, "best_of": 1, "suffix": None}
-CHAT_NO_OPS = {**NO_OPS, "logprobs": False, "top_logprobs": 0, "tools": [], "tool_choice": "none", "parallel_tool_calls": True,
-               "functions": [], "function_call": "auto", "response_format": {"type": "text"}, "modalities": ["text"],
+CHAT_NO_OPS = {**NO_OPS, "logprobs": False, "top_logprobs": 0, "tools": [], "tool_choice": "none",
+               "parallel_tool_calls": True, "functions": [], "function_call": "auto",
+               "response_format": {"type": "text"}, "modalities": ["text"],
                "audio": None, "prediction": None, "web_search_options": None, "moderation": None, "store": False,
                "metadata": {"team": "a"}, "service_tier": "auto", "reasoning_effort": "none", "verbosity": "medium",
                "safety_identifier": "h", "prompt_cache_key": "k", "prompt_cache_retention": "24h",
