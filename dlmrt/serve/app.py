@@ -44,6 +44,7 @@ from dlmrt.core.errors import DlmrtError
 from dlmrt.runtime import text
 from dlmrt.runtime.backend import Backend
 from dlmrt.runtime.scheduler import Failed, Finished, QueueFull, Scheduler, ShuttingDown
+from dlmrt.runtime.scoring import Scorer
 from dlmrt.serve.logprobs import CompletionLogprobs, chat_logprobs
 from dlmrt.serve.metrics import ServerMetrics
 from dlmrt.serve.stop_strings import StopScan, tokens_spanning
@@ -185,6 +186,7 @@ def create_app(model, backend: Backend, server_limits: ServerLimits = ServerLimi
         return Response(body, media_type=content_type)
 
     token_text = _token_text(model)
+    scorer = Scorer(backend)
 
     def check_model(request: OpenAIRequest) -> None:
         if request.model != name:
@@ -243,16 +245,21 @@ def create_app(model, backend: Backend, server_limits: ServerLimits = ServerLimi
         return take
 
     async def scored(request: CompletionRequest) -> dict:
-        """echo with max_tokens 0: the prompt, scored by the denoiser (`dlmrt.runtime.scoring`)."""
-        from dlmrt.runtime.scoring import score
-
+        """echo with max_tokens 0: the prompt, scored by the denoiser (`dlmrt.runtime.scoring`) on the
+        scheduler's worker, between two blocks."""
         check_model(request)
         request.refuse_unsupported()
         alternatives = request.alternatives()
         ids, block = _scoring_input(model, backend, request)
         logprobs = None
         if alternatives is not None:
-            entries = await asyncio.to_thread(score, backend, ids, block, alternatives)
+            try:
+                entries = await asyncio.wrap_future(
+                    scheduler.run_between_blocks(lambda: scorer.score(ids, block, alternatives)))
+            except ShuttingDown as error:
+                raise ApiError(503, str(error), code="shutting_down", kind="server_error") from None
+            except DlmrtError as error:
+                raise ApiError(400, f"prompt: {error}", param="prompt", code="invalid_value") from None
             logprobs = CompletionLogprobs(token_text, alternatives).take(ids, entries)
         echoed = request.prompt if isinstance(request.prompt, str) else _text(model, ids)
         return {**reply_header("text_completion", name), "choices": [completion_choice(echoed, [], "length", logprobs)],

@@ -174,7 +174,7 @@ def reference_scores(model, ids: list[int], block: int) -> list[float]:
 
 @pytest.mark.parametrize("backend_name", ["torch", "ort"])
 def test_scoring_a_text_is_log_softmax_with_its_block_masked(model, request, backend_name):
-    from dlmrt.runtime.scoring import score
+    from dlmrt.runtime.scoring import Scorer
 
     if backend_name == "ort":
         needs_onnxruntime()
@@ -184,6 +184,10 @@ def test_scoring_a_text_is_log_softmax_with_its_block_masked(model, request, bac
     else:
         backend = TorchBackend(model, mode="eager")
     ids = text.encode(model, "add:762+139=901")  # 15 tokens: the last block of 4 runs past the text
-    entries = score(backend, ids, 4, alternatives=3)
-    assert [e.logprob for e in entries] == pytest.approx(reference_scores(model, ids, 4), abs=1e-4)
-    assert all(len(e.top) == 3 and model.tokens.mask_id not in dict(e.top) for e in entries)
+    scorer = Scorer(backend)
+    for _ in range(2):  # the second text of the same length runs on the state and binding of the first
+        entries = scorer.score(ids, 4, alternatives=3)
+        assert [e.logprob for e in entries] == pytest.approx(reference_scores(model, ids, 4), abs=1e-4)
+        assert all(len(e.top) == 3 and model.tokens.mask_id not in dict(e.top) for e in entries)
+        ids = ids[::-1]
+    assert len(scorer._bound) == 1
