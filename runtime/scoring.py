@@ -23,20 +23,24 @@ from collections.abc import Callable
 import torch
 
 from dlmrt.core.errors import ArgumentError
-from dlmrt.runtime.backend import Backend
+from dlmrt.runtime.backend import Backend, ModelSpec
 from dlmrt.runtime.device_state import Bucket, DeviceState
 from dlmrt.runtime.device_step import StepKind, gather, graph_inputs
 from dlmrt.runtime.running_batch import TokenLogprob
 
 
-def check_scoring(backend: Backend, ids: list[int]) -> None:
-    """Every check `score` would fail, before any compute."""
-    spec = backend.spec
+def check_scorable(spec: ModelSpec) -> None:
+    """Whether the model behind a backend scores text at all."""
     if spec.noise == "uniform" or spec.mask_id is None:
         raise ArgumentError(f"{spec.name} is a uniform-noise model: it has no mask token to score a text with")
     if not spec.supports_logprobs:
         raise ArgumentError(f"{spec.name} was exported before the step graph returned its logits: re-export it "
                             f"with this dlmrt (`dlmrt export`) to score text, or use the torch backend")
+
+
+def check_text(backend: Backend, ids: list[int]) -> None:
+    """Whether `ids` is a text the backend scores."""
+    spec = backend.spec
     if not ids:
         raise ArgumentError("the text to score is empty")
     bad = [t for t in ids if not 0 <= t < spec.vocab_size or t == spec.mask_id]
@@ -60,7 +64,8 @@ class Scorer:
     def score(self, ids: list[int], block_length: int, alternatives: int) -> list[TokenLogprob]:
         """Each token of `ids` scored with its block masked and the rest of the text visible, with its
         `alternatives` most likely tokens."""
-        check_scoring(self.backend, ids)
+        check_scorable(self.backend.spec)
+        check_text(self.backend, ids)
         spec, length = self.backend.spec, len(ids)
         state, kind, run = self._state_for(length, min(block_length, length))
         block = state.bucket.block

@@ -333,12 +333,16 @@ def _token_text(model) -> Callable[[int], str]:
 
 def _scoring_input(model, backend: Backend, request: CompletionRequest) -> tuple[list[int], int]:
     """(the prompt's ids, the block length) of a request that scores its prompt; every check before any compute."""
-    from dlmrt.runtime.scoring import check_scoring
+    from dlmrt.runtime.scoring import check_scorable, check_text
 
+    try:
+        check_scorable(backend.spec)
+    except DlmrtError as error:
+        raise ApiError(400, f"echo: {error}", param="echo", code="unsupported_value") from None
     block = request.block_length or model.generation_config.get("block_length") or model.default_block_length
     try:
         ids = text.encode(model, request.prompt) if isinstance(request.prompt, str) else list(request.prompt)
-        check_scoring(backend, ids)
+        check_text(backend, ids)
     except DlmrtError as error:
         raise ApiError(400, f"prompt: {error}", param="prompt", code="invalid_value") from None
     return ids, block or len(ids)

@@ -152,4 +152,4 @@ def test_logprobs_of_a_uniform_noise_model_is_a_400_naming_logprobs():
     assert error["param"] == "logprobs" and "entropy_bound" in error["message"]
     scored = client.post("/v1/completions", json={"model": model.name, "prompt": "12+7=", "logprobs": 0,
                                                   "echo": True, "max_tokens": 0})
-    assert scored.status_code == 400 and scored.json()["error"]["param"] == "prompt"
+    assert scored.status_code == 400 and scored.json()["error"]["param"] == "echo"
