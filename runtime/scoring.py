@@ -7,13 +7,14 @@ A diffusion model has no left-to-right factorization to read a text's likelihood
 a text as its decoding first sees each block: block by block, the block's tokens masked and every
 other token of the text visible, each masked token's log-probability is `log_softmax` of that
 forward's logits at its position, taken at the text's token (with the `alternatives` most likely
-tokens there, the mask aside). One forward per block, through the backend's own step graph (the same
-logits a step commits from), on a canvas of the text alone. A scorer keeps a state and a bound graph
-per canvas length (whole blocks up to the ladder's largest canvas), so scoring binds, and on ONNX
-Runtime over CUDA captures, each shape once; it runs on the thread that owns the backend (the
-server's scheduler runs it between two blocks: `Scheduler.run_between_blocks`). Blocks lie on the grid of positions 0,
-block, 2 * block, ... of the text, so a block-causal model scores each block as it would generate
-it. Docs: docs/logprobs.md.
+tokens there, the mask aside). Blocks lie on the grid of positions 0, block, 2 * block, ... of the
+text, so a block-causal model scores each block as it would generate it.
+
+One forward per block, through the backend's own step graph (the same logits a step commits from),
+on a canvas of the text alone. A scorer keeps a state and a bound graph per canvas length (whole
+blocks up to the ladder's largest canvas), so it binds, and on ONNX Runtime over CUDA captures, each
+shape once. It runs on the thread that owns the backend: the server's scheduler runs it between two
+blocks (`Scheduler.run_between_blocks`). Docs: docs/logprobs.md.
 """
 
 from __future__ import annotations
