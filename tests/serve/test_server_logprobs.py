@@ -153,3 +153,30 @@ def test_logprobs_of_a_uniform_noise_model_is_a_400_naming_logprobs():
     scored = client.post("/v1/completions", json={"model": model.name, "prompt": "12+7=", "logprobs": 0,
                                                   "echo": True, "max_tokens": 0})
     assert scored.status_code == 400 and scored.json()["error"]["param"] == "echo"
+
+
+def test_work_between_blocks_runs_on_the_worker_and_leaves_a_running_request_as_it_was(model):
+    """Scoring runs on the scheduler's worker (which owns the backend) between two blocks of a running batch."""
+    import queue
+    import threading
+
+    from dlmrt.runtime.scheduler import Finished, Scheduler
+    from dlmrt.runtime.scoring import Scorer
+    from dlmrt.runtime.torch_backend import TorchBackend
+
+    backend = TorchBackend(model, mode="eager")
+    scheduler = Scheduler(backend)
+    settings = GenerationSettings(16, 4, Threshold(0.9), ignore_eos=True)  # four blocks
+    prompt = text.encode(model, PROMPT)
+    events: queue.Queue = queue.Queue()
+    scheduler.submit(prompt, settings, events.put)
+    scored = scheduler.run_between_blocks(lambda: (threading.current_thread().name,
+                                                   Scorer(backend).score(prompt, 4, 0)))
+    worker, entries = scored.result(timeout=120)
+    tokens = []
+    while not isinstance(event := events.get(timeout=120), Finished):
+        tokens += event.token_ids
+    scheduler.stop()
+    assert worker == "dlmrt-scheduler" and len(entries) == len(prompt)
+    assert tokens == Generator(model, mode="eager").generate([prompt], settings).tokens[0].tolist()[:len(tokens)]
+    assert tokens
