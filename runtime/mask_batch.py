@@ -164,7 +164,7 @@ class MaskBatch(RunningBatch):
         return outcomes
 
     def _read_logprobs(self) -> None:
-        """Append the block's logprobs to each row that asks (one host read per block, only then)."""
+        """Append the block's logprobs to each row that asks (three host reads a block, only then)."""
         asking = [row for row in self.rows if row.settings.logprobs is not None]
         if not asking:
             return
