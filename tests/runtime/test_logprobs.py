@@ -191,3 +191,19 @@ def test_scoring_a_text_is_log_softmax_with_its_block_masked(model, request, bac
         assert all(len(e.top) == 3 and model.tokens.mask_id not in dict(e.top) for e in entries)
         ids = ids[::-1]
     assert len(scorer._bound) == 1
+
+
+def test_an_export_made_before_the_logits_output_refuses_logprobs_and_scoring():
+    needs_onnxruntime()
+    from pathlib import Path
+
+    from dlmrt.core.errors import ArgumentError
+    from dlmrt.runtime.ort_backend import OrtBackend
+    from dlmrt.runtime.scoring import Scorer
+
+    backend = OrtBackend(Path(__file__).parents[1] / "data" / "export-v1")
+    assert not backend.spec.supports_logprobs
+    with pytest.raises(ArgumentError, match=r"^logprobs: .* exported before .* re-export it"):
+        Generator(backend).generate([[5, 6, 7]], GenerationSettings(12, 4, Threshold(0.3), logprobs=0))
+    with pytest.raises(ArgumentError, match=r"exported before .* re-export it"):
+        Scorer(backend).score([5, 6, 7], 4, 0)
