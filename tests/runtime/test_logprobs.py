@@ -9,13 +9,14 @@ the backend's `observe` hands them over), with `log_softmax` written out in the 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
 
 import dlmrt
 from dlmrt.bench.counted import count_work
-from dlmrt.runtime import GenerationSettings, Generator, Threshold, text
+from dlmrt.runtime import GenerationSettings, Generator, LLaDA21, Threshold, text
 from dlmrt.runtime import device_step
 from dlmrt.runtime.device_state import Bucket, DeviceState
 from dlmrt.runtime.running_batch import open_batch
@@ -44,33 +45,36 @@ class StepRecorder:
         self.steps.append({name: inputs[name].clone() for name in ("ids", "positions", "key_mask", "block_index")})
 
 
-def reference_logprobs(model, step: dict[str, torch.Tensor]) -> torch.Tensor:
-    """`[B, block, V]`: log_softmax of the model's logits on the step's canvas, at the block's positions."""
+def reference_logprobs(model, step: dict[str, torch.Tensor], grid: int | None) -> torch.Tensor:
+    """`[B, block, V]`: log_softmax of the model's logits on the step's canvas, at the block's positions
+    (`grid`: a block-causal model's block length)."""
     with torch.no_grad():
-        logits = model.denoise(step["ids"], positions=step["positions"], key_mask=step["key_mask"]).logits.double()
+        logits = model.denoise(step["ids"], positions=step["positions"], key_mask=step["key_mask"],
+                               block_length=grid).logits.double()
     logits = logits[:, step["block_index"]]
     return logits - logits.exp().sum(-1, keepdim=True).log()
 
 
-def committing_step(steps, row: int, position: int, mask_id: int) -> tuple[dict, int]:
-    """The step that committed the token at `position` (a row's position count): the last one that saw it
-    masked; and its index in that step's block."""
+def committing_step(steps, row: int, position: int, token: int) -> tuple[dict, int]:
+    """The step that put `token` at `position` (a row's position count) for good: the last one that saw
+    something else there (a mask, or a token a later edit replaced); and its index in that step's block."""
     for step in reversed(steps):
-        canvas_index = int((step["positions"][row] == position).nonzero()[-1])
-        if step["ids"][row, canvas_index] == mask_id:
-            return step, int((step["block_index"] == canvas_index).nonzero()[0])
-    raise AssertionError(f"no step saw position {position} of row {row} masked")
+        found = (step["positions"][row] == position).nonzero()
+        if len(found) and step["ids"][row, int(found[-1])] != token:
+            return step, int((step["block_index"] == int(found[-1])).nonzero()[0])
+    raise AssertionError(f"no step put token {token} at position {position} of row {row}")
 
 
-def check_against_model(model, steps, prompts, tokens_of_row, logprobs_of_row, atol: float) -> int:
+def check_against_model(model, steps, prompts, tokens_of_row, logprobs_of_row, atol: float,
+                        grid: int | None = None) -> int:
     """Every committed token's logprob and top alternatives against the reference; returns how many."""
     checked = 0
     for row, prompt in enumerate(prompts):
         tokens, logprobs = tokens_of_row[row], logprobs_of_row[row]
         assert len(tokens) == len(logprobs) > 0
         for index, (token, found) in enumerate(zip(tokens, logprobs)):
-            step, j = committing_step(steps, row, len(prompt) + index, model.tokens.mask_id)
-            expected = reference_logprobs(model, step)[row, j]
+            step, j = committing_step(steps, row, len(prompt) + index, token)
+            expected = reference_logprobs(model, step, grid)[row, j]
             assert found.logprob == pytest.approx(float(expected[token]), abs=atol)
             without_mask = expected.clone()
             without_mask[model.tokens.mask_id] = float("-inf")
@@ -96,6 +100,21 @@ def test_torch_logprob_is_log_softmax_of_the_committing_step(model, prompts):
     assert check_against_model(model, recorder.steps, prompts, tokens, logprobs, atol=1e-5) >= 4
     # more than one token a step: the rule commits in parallel, and each takes its own position's logits
     assert len(recorder.steps) < sum(len(t) for t in tokens)
+
+
+def test_an_edited_token_has_the_logprob_of_the_step_that_wrote_it_last():
+    """LLaDA2.1's token editing overwrites committed tokens: the logprob is the last writing step's."""
+    model = dlmrt.load(Path(__file__).parents[1] / "data" / "llada21")
+    settings = GenerationSettings(12, 4, LLaDA21(threshold=0.3, edit_threshold=0.2, max_post_steps=2), logprobs=2)
+    recorder, prompts = StepRecorder(), [[17, 5, 42, 30]]
+    generator = Generator(TorchBackend(model, mode="eager", observe=recorder))
+    tokens, logprobs = stream_with_logprobs(generator, prompts, settings)
+    assert check_against_model(model, recorder.steps, prompts, tokens, logprobs, atol=1e-5, grid=4) >= 4
+    edited = 0  # tokens whose last writer overwrote a token, not a mask
+    for index, token in enumerate(tokens[0]):
+        step, j = committing_step(recorder.steps, 0, len(prompts[0]) + index, token)
+        edited += int(step["ids"][0, step["block_index"][j]] != model.tokens.mask_id)
+    assert edited > 0
 
 
 def test_asking_changes_no_token(model, prompts):
@@ -195,8 +214,6 @@ def test_scoring_a_text_is_log_softmax_with_its_block_masked(model, request, bac
 
 def test_an_export_made_before_the_logits_output_refuses_logprobs_and_scoring():
     needs_onnxruntime()
-    from pathlib import Path
-
     from dlmrt.core.errors import ArgumentError
     from dlmrt.runtime.ort_backend import OrtBackend
     from dlmrt.runtime.scoring import Scorer
