@@ -22,7 +22,7 @@ from dlmrt.runtime.device_state import Bucket, DeviceState
 from dlmrt.runtime.running_batch import open_batch
 from dlmrt.runtime.torch_backend import TorchBackend, spec_of
 
-SETTINGS = GenerationSettings(16, 8, Threshold(0.7), logprobs=5)  # temperature 0, cache none: whole-canvas steps
+SETTINGS = GenerationSettings(16, 8, Threshold(0.9), logprobs=5)  # temperature 0, cache none: whole-canvas steps
 
 
 @pytest.fixture(scope="module")
@@ -98,8 +98,10 @@ def test_torch_logprob_is_log_softmax_of_the_committing_step(model, prompts):
     generator = Generator(TorchBackend(model, mode="eager", observe=recorder))
     tokens, logprobs = stream_with_logprobs(generator, prompts, SETTINGS)
     assert check_against_model(model, recorder.steps, prompts, tokens, logprobs, atol=1e-5) >= 4
-    # more than one token a step: the rule commits in parallel, and each takes its own position's logits
+    # more than one token a step (each takes its own position's logits), and more than one step a block (each
+    # token takes its own step's)
     assert len(recorder.steps) < sum(len(t) for t in tokens)
+    assert len(recorder.steps) > len({int(step["block_index"][0]) for step in recorder.steps})
 
 
 def test_an_edited_token_has_the_logprob_of_the_step_that_wrote_it_last():
