@@ -22,7 +22,7 @@ from typing import Any
 from dlmrt.core import atomic, json_files
 from dlmrt.core.errors import CheckpointError
 from dlmrt.export.models.denoiser import SpecialTokens
-from dlmrt.export.step_graph import EDITING_INPUTS, GRAPHS, GUIDED_GRAPHS
+from dlmrt.export.step_graph import EDITING_INPUTS, GRAPHS, GUIDED_GRAPHS, LOGITS_OUTPUT
 from dlmrt.core.hashing import sha256_of
 
 MANIFEST_FILE = "dlmrt.json"
@@ -212,6 +212,12 @@ class ExportManifest:
         """Whether the graphs take token editing's inputs (ParallelUnmask v2): exports made before
         it run every other policy as they are."""
         return all({c.name for c in entry.inputs} >= set(EDITING_INPUTS) for entry in self.graphs.values())
+
+    @property
+    def supports_logprobs(self) -> bool:
+        """Whether the step graphs return the block's logits (`LOGITS_OUTPUT`), from which the runtime takes
+        each committed token's log-probability: exports made before it decode as they are, without logprobs."""
+        return all(LOGITS_OUTPUT in {c.name for c in entry.outputs} for entry in self.graphs.values())
 
     def with_files(self, export_dir: str | Path, **changes) -> ExportManifest:
         """A copy with `changes`, its file hashes taken afresh from `export_dir`."""

@@ -19,6 +19,11 @@ read asks), `confidence` (every row uses this measure, so the others are not com
 `editing=False` (no row edits committed tokens, so the edit pass is skipped). Exports always return
 the K/V and take every temperature, measure and editing threshold as inputs.
 
+`return_logits=True` also returns the block's float32 logits (after guidance), from which the step loop
+takes each committed token's log-probability when some row asks (docs/logprobs.md). Exports always
+name them as their last output, `logits`; a binding that does not ask leaves that output unbound, so
+ONNX Runtime frees them as it did before.
+
 Token editing (LLaDA2.1) may overwrite the block's committed positions that are neither prompt nor
 padding: the graph derives them from the window's key mask, positions and each row's prompt length.
 
@@ -49,6 +54,8 @@ GUIDED_GRAPHS = ("full_guided", "cached_guided")
 POLICY_INPUTS = ("count", "threshold", "factor", "temperature", "seed", "step", "measure")
 # The inputs of token editing (ParallelUnmask v2); exports made before it lack them.
 EDITING_INPUTS = ("edit_threshold", "prompt_lengths")
+# The block's logits [B, block, V], the last output; exports made before it lack it.
+LOGITS_OUTPUT = "logits"
 
 
 def check_unmask(unmask: str) -> None:
@@ -72,18 +79,20 @@ def input_names(graph: str, residual: bool) -> list[str]:
 
 
 def output_names(residual: bool) -> list[str]:
-    return ["new_ids", "confidence", "commit", "committed", "kv", *(["next_z", "next_certainty"] if residual else [])]
+    return ["new_ids", "confidence", "commit", "committed", "kv", *(["next_z", "next_certainty"] if residual else []),
+            LOGITS_OUTPUT]
 
 
 class StepGraph(nn.Module):
     def __init__(self, model: Denoiser, graph: str, grid: int | None, *, return_kv: bool = True,
                  sampling: bool | None = None, confidence: str | None = None, editing: bool = True,
-                 unmask: str = "torch"):
+                 unmask: str = "torch", return_logits: bool = False):
         super().__init__()
         self.model, self.grid = model, grid
         self.cached, self.guided = graph.startswith("cached"), graph.endswith("_guided")
         self.residual = model.residual_config is not None
         self.return_kv, self.sampling, self.confidence, self.editing = return_kv, sampling, confidence, editing
+        self.return_logits = return_logits
         check_unmask(unmask)
         self.triton_kernels = None
         if unmask == "triton":
@@ -133,4 +142,6 @@ class StepGraph(nn.Module):
                                        confidence=self.confidence or measure, sampling=self.sampling,
                                        edits=edits)
         extra = (out.residual.z, out.residual.certainty) if self.residual else ()
+        if exporting or self.return_logits:
+            extra = (*extra, logits)
         return (*unmasked, out.kv, *extra)

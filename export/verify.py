@@ -87,7 +87,8 @@ def compare_with_torch(model: Denoiser, export_dir: str | Path, grid: int | None
             runner = OnnxrtRunner(SessionFromOnnx(str(Path(export_dir) / graph_file(graph))))
             run = Comparator.run([runner], data_loader=[feeds])
             with torch.no_grad():
-                outputs = StepGraph(model, graph, grid).eval()(**{k: torch.from_numpy(v) for k, v in feeds.items()})
+                outputs = StepGraph(model, graph, grid, return_logits=True).eval()(
+                    **{k: torch.from_numpy(v) for k, v in feeds.items()})
             expected = OrderedDict(zip(output_names(residual), (o.numpy() for o in outputs)))
             exact = [output for output, array in expected.items() if not np.issubdtype(array.dtype, np.floating)]
             run.append((f"torch-{graph}", [IterationResult(expected, runner_name=f"torch-{graph}")]))

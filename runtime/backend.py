@@ -52,6 +52,7 @@ class ModelSpec:
     block_grid: int | None = None  # the block-causal grid a compiled graph was built with
     supports_guidance: bool = True
     supports_editing: bool = True  # the graphs take token editing's inputs (exports before it do not)
+    supports_logprobs: bool = True  # the step graphs can return the block's logits (exports before it cannot)
     logits_shift: int = 0  # Denoiser.logits_shift: a window over a cache starts this many positions early
     noise: str = "mask"  # Denoiser.noise: "uniform" for models with no mask token (DiffusionGemma)
 
@@ -69,7 +70,7 @@ class ModelSpec:
             dtype=getattr(torch, model.dtype), device=device,
             limits_hint=f"re-export with `dlmrt export ... -o {export_dir} --max-batch B --max-length N`",
             block_grid=model.block_grid, supports_guidance=manifest.supports_guidance,
-            supports_editing=manifest.supports_editing,
+            supports_editing=manifest.supports_editing, supports_logprobs=manifest.supports_logprobs,
             logits_shift=FAMILIES[model.model_type].model_class.logits_shift, noise=model.noise)
 
 

@@ -175,6 +175,11 @@ class DeviceState(StaticBuffers):
     kv: Tensor | None = None  # [layers, 2, B', kv heads, L, head dim]
     cache_valid: Tensor | None = None  # [L] bool: the cache positions that hold K/V
     past_key_mask: Tensor | None = None  # [B, L] bool scratch: the cache positions a step attends to
+    # Once a row asks for logprobs (`allocate_logprobs`): each token the current block's steps put, its
+    # log-probability at the step that put it, and the K most likely tokens there (the mask aside)
+    logprob: Tensor | None = None  # [B, block] float32
+    top_logprob: Tensor | None = None  # [B, block, K] float32
+    top_token: Tensor | None = None  # [B, block, K] int64
     windows: dict[int, WindowBuffers] = field(default_factory=dict)
 
     @staticmethod
@@ -220,6 +225,14 @@ class DeviceState(StaticBuffers):
             state.cache_valid = torch.zeros(length, dtype=torch.bool, device=device)
             state.past_key_mask = torch.zeros(rows, length, dtype=torch.bool, device=device)
         return state
+
+    def allocate_logprobs(self, alternatives: int) -> None:
+        """The logprob buffers, with `alternatives` most likely tokens a position (allocated on first use)."""
+        if self.logprob is None:
+            rows, block, device = self.bucket.batch, self.bucket.block, self.canvas.device
+            self.logprob = torch.zeros(rows, block, dtype=torch.float32, device=device)
+            self.top_logprob = torch.zeros(rows, block, alternatives, dtype=torch.float32, device=device)
+            self.top_token = torch.zeros(rows, block, alternatives, dtype=torch.long, device=device)
 
     def window(self, length: int) -> WindowBuffers:
         """The gather buffers of a window of `length` positions (allocated on first use)."""

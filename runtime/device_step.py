@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 from torch import Tensor
 
+from dlmrt.core import limits
 from dlmrt.export.step_graph import POLICY_INPUTS, graph_name
 from dlmrt.runtime.device_state import DeviceState
 
@@ -33,6 +34,7 @@ class StepKind:
     sampling: bool = False  # some row samples (temperature > 0)
     confidence: str | None = None  # the measure every row uses (None: each row's `measure`)
     editing: bool = False  # some row edits committed tokens
+    logprobs: bool = False  # some row asks for its committed tokens' log-probabilities
 
     def graph(self, guided: bool) -> str:
         return graph_name(cached=self.cached, guided=guided)
@@ -40,16 +42,16 @@ class StepKind:
     @property
     def binding_key(self) -> tuple:
         """What a backend's binding of a bucket's buffers to a graph depends on: the window buffers,
-        the graph, and the K/V it writes (not `before`, `sampling`, `confidence` or `editing`, which
-        only the gather or the graph's inputs see)."""
-        return self.window, self.start, self.cached, self.writes
+        the graph, the K/V it writes, and whether the logits are bound (not `before`, `sampling`,
+        `confidence` or `editing`, which only the gather or the graph's inputs see)."""
+        return self.window, self.start, self.cached, self.writes, self.logprobs
 
     def whole_canvas(self, canvas: int) -> bool:
         return self.start == 0 and self.window == canvas
 
     # -- the step program (dlmrt.runtime.executor.StepProgram) --------------------------------------------
     def bind(self, backend: Backend, state: DeviceState) -> Callable[[Mapping[str, Tensor]], GraphOutputs]:
-        allocate(state, self)
+        allocate(state, self, backend.spec)
         return backend.step_graph(state, self)
 
     def step(self, state: DeviceState, graph: Callable[[Mapping[str, Tensor]], GraphOutputs]) -> None:
@@ -66,14 +68,16 @@ class GraphOutputs(NamedTuple):
     kv: Tensor | None  # [layers, 2, B', kv heads, W, head dim], on steps that write the cache
     z: Tensor | None  # [B', W, H]
     certainty: Tensor | None
+    logits: Tensor | None = None  # [B, block, V] float32, on steps whose kind asks for logprobs
 
 
 def kinds_for_block(cache: str, block_causal: bool, canvas: int, block_start: int, block: int, first_block: bool,
                     *, sampling: bool = False, confidence: str | None = None, editing: bool = False,
-                    lookbehind: int = 0) -> tuple[StepKind, StepKind]:
+                    logprobs: bool = False, lookbehind: int = 0) -> tuple[StepKind, StepKind]:
     """The kinds of a block's first step and of its later steps."""
     def kind(window, start, **extra):
-        return StepKind(window, start, sampling=sampling, confidence=confidence, editing=editing, **extra)
+        return StepKind(window, start, sampling=sampling, confidence=confidence, editing=editing, logprobs=logprobs,
+                        **extra)
 
     end = block_start + block
     if cache == "none":
@@ -90,18 +94,21 @@ def kinds_for_block(cache: str, block_causal: bool, canvas: int, block_start: in
     return refresh, kind(block + lookbehind, None, before=lookbehind, cached=True)
 
 
-def allocate(state: DeviceState, kind: StepKind) -> None:
-    """Allocate the window buffers `kind` needs (before a step of it is compiled or captured)."""
+def allocate(state: DeviceState, kind: StepKind, spec: ModelSpec) -> None:
+    """Allocate the window and logprob buffers `kind` needs (before a step of it is compiled or captured)."""
     if not kind.whole_canvas(state.bucket.canvas):
         state.window(kind.window)
+    if kind.logprobs:
+        state.allocate_logprobs(min(limits.MAX_TOP_LOGPROBS, spec.vocab_size - 1))
 
 
 def output_buffers(spec: ModelSpec, state: DeviceState, kind: StepKind, *,
                    every_output: bool = False) -> dict[str, Tensor]:
     """Static buffers for the exported step graph's outputs, by name, for a backend that binds them
     (ONNX Runtime, TensorRT). The whole-canvas refresh writes its K/V straight into the cache
-    storage. A step that writes no cache gets no K/V buffer, unless `every_output` (TensorRT needs
-    an address for every output): then a scratch one."""
+    storage. A step that writes no cache gets no K/V buffer, and one that asks for no logprobs no
+    logits buffer, unless `every_output` (TensorRT needs an address for every output): then a scratch
+    one."""
     bucket = state.bucket
     rows, model_rows, block, device = bucket.batch, bucket.model_rows, bucket.block, state.canvas.device
     outputs = {"new_ids": torch.empty(rows, block, dtype=torch.long, device=device),
@@ -113,6 +120,8 @@ def output_buffers(spec: ModelSpec, state: DeviceState, kind: StepKind, *,
     elif kind.writes or every_output:
         outputs["kv"] = torch.empty(spec.num_layers, 2, model_rows, spec.num_kv_heads, kind.window, spec.head_dim,
                                     dtype=spec.dtype, device=device)
+    if spec.supports_logprobs and (kind.logprobs or every_output):
+        outputs["logits"] = torch.empty(rows, block, spec.vocab_size, dtype=torch.float32, device=device)
     if spec.has_residual:
         outputs["next_z"] = torch.empty(model_rows, kind.window, spec.hidden_size, dtype=spec.dtype, device=device)
         outputs["next_certainty"] = torch.empty(model_rows, kind.window, dtype=spec.dtype, device=device)
@@ -122,7 +131,7 @@ def output_buffers(spec: ModelSpec, state: DeviceState, kind: StepKind, *,
 def graph_outputs(outputs: Mapping[str, Tensor], kind: StepKind) -> GraphOutputs:
     """What `apply` reads of the bound output buffers."""
     return GraphOutputs(outputs["new_ids"], outputs["kv"] if kind.writes else None, outputs.get("next_z"),
-                        outputs.get("next_certainty"))
+                        outputs.get("next_certainty"), outputs.get("logits") if kind.logprobs else None)
 
 
 class BoundStepGraph:
@@ -223,6 +232,8 @@ def apply(state: DeviceState, kind: StepKind, active: Tensor, outputs: GraphOutp
             written = state.window(kind.window).index[:kind.writes]
             state.kv.index_copy_(4, written, outputs.kv[:, :, :, :, :kind.writes])
             state.cache_valid.index_fill_(0, written, True)
+    if kind.logprobs:
+        record_logprobs(state, outputs.logits, new_block, active[:, None] & (new_block != old_block))
     state.step.add_(active)
     state.block_step.add_(1)
     was_masked = old_block == state.mask_id
@@ -234,6 +245,19 @@ def apply(state: DeviceState, kind: StepKind, active: Tensor, outputs: GraphOutp
     state.post_steps.masked_fill_(editing_only & (edited == 0), 0)
     _write_work_left(state, (new_block == state.mask_id).sum(-1))
     state.status[-1:].add_(active.any().long())
+
+
+def record_logprobs(state: DeviceState, logits: Tensor, new_block: Tensor, changed: Tensor) -> None:
+    """Where the step put a token (`changed`, [B, block]), its log-probability under the step's logits, and
+    the most likely tokens other than the mask with theirs. Every row's tokens are recorded (a row that did
+    not ask is read by no one): one batched pass, no per-row branch."""
+    logp = torch.log_softmax(logits, dim=-1)
+    chosen = logp.gather(-1, new_block[..., None]).squeeze(-1)
+    logp[..., state.mask_id] = float("-inf")  # never a token of the text
+    top_logprob, top_token = logp.topk(state.top_logprob.shape[-1], dim=-1)
+    state.logprob.copy_(torch.where(changed, chosen, state.logprob))
+    state.top_logprob.copy_(torch.where(changed[..., None], top_logprob, state.top_logprob))
+    state.top_token.copy_(torch.where(changed[..., None], top_token, state.top_token))
 
 
 def _write_work_left(state: DeviceState, masked: Tensor) -> None:

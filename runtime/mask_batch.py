@@ -6,7 +6,7 @@ Design notes: docs/runtime-modules.md#mask_batch.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -14,7 +14,7 @@ from dlmrt.plugins.parallel_unmask import MEASURE_CODES
 from dlmrt.runtime import device_step
 from dlmrt.runtime import layout as layouts
 from dlmrt.runtime.device_state import Bucket
-from dlmrt.runtime.running_batch import BlockOutcome, Row, RunningBatch
+from dlmrt.runtime.running_batch import BlockOutcome, Row, RunningBatch, TokenLogprob
 from dlmrt.runtime.settings import GenerationSettings
 
 
@@ -34,6 +34,7 @@ class MaskRow(Row):
     layout: layouts.Layout  # the row alone, on its own canvas
     block_position: int  # where its current block starts, in the row's positions
     end_position: int  # after the last position it denoises
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of its output so far, where it asks
 
 
 @dataclass
@@ -116,7 +117,8 @@ class MaskBatch(RunningBatch):
             key.cache, self.spec.block_causal, state.bucket.canvas, self.column, state.bucket.block,
             first_block=any(row.block == 0 for row in self.rows),
             sampling=any(row.settings.temperature > 0 for row in self.rows),
-            confidence=key.policy.confidence, editing=key.policy.edits, lookbehind=self.spec.logits_shift)
+            confidence=key.policy.confidence, editing=key.policy.edits,
+            logprobs=any(row.settings.logprobs is not None for row in self.rows), lookbehind=self.spec.logits_shift)
         return budget, block
 
     def _calls(self, taken: int, steps: int) -> list[tuple[object, int]]:
@@ -158,6 +160,7 @@ class MaskBatch(RunningBatch):
         block_end = self.column + self.key.block_length
         outputs = self._read_outputs(rows, [self.state.bucket.canvas if gone else block_end for gone in cancelled])
         edits = self.state.edits.tolist() if self.key.policy.edits else None
+        self._read_logprobs(rows)
         outcomes = []
         for row, gone, output in zip(rows, cancelled, outputs):
             settled = output[:row.settings.gen_length]
@@ -169,8 +172,23 @@ class MaskBatch(RunningBatch):
                 finished = stops or row.block_position + self.key.block_length >= row.end_position
                 reason = ("eos" if eos_hit else "length") if finished else None
             fill = self.spec.eos_ids[0] if stops else self.spec.mask_id
-            outcomes.append(BlockOutcome(settled, reason, fill, edits[row.slot] if edits else 0))
+            logprobs = row.logprobs if row.settings.logprobs is not None else None
+            outcomes.append(BlockOutcome(settled, reason, fill, edits[row.slot] if edits else 0, logprobs))
         return outcomes
+
+    def _read_logprobs(self, rows: Sequence[MaskRow]) -> None:
+        """Append the block's logprobs to each of `rows` that asks (three host reads a block, only then)."""
+        asking = [row for row in rows if row.settings.logprobs is not None]
+        if not asking:
+            return
+        state = self.state
+        chosen, top, tokens = state.logprob.tolist(), state.top_logprob.tolist(), state.top_token.tolist()
+        for row in asking:
+            first = row.block_position - row.prompt_length  # the block's first position in the row's output
+            alternatives = row.settings.logprobs
+            for j in range(max(0, -first), min(self.key.block_length, row.settings.gen_length - first)):
+                top_j = tuple(zip(tokens[row.slot][j][:alternatives], top[row.slot][j][:alternatives]))
+                row.logprobs.append(TokenLogprob(chosen[row.slot][j], top_j))
 
     def _read_outputs(self, rows: Sequence[MaskRow], ends: list[int], first: int = 0) -> list[list[int]]:
         """Each row's canvas from its first generated position (or canvas index `first`, when later) to

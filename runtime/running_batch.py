@@ -30,6 +30,14 @@ class CancelToken(Protocol):
     def is_set(self) -> bool: ...
 
 
+class TokenLogprob(NamedTuple):
+    """A committed token's log-probability at the step that committed it, and the most likely tokens there
+    (as many as its request asked for, the mask token aside), most likely first."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token id, log-probability)
+
+
 @dataclass(frozen=True)
 class BlockUpdate:
     """Tokens of one row that became final when a block finished (cut at end-of-sequence)."""
@@ -38,6 +46,7 @@ class BlockUpdate:
     block: int  # the row's block, or -1 when it was cancelled
     token_ids: list[int]
     finish_reason: str | None  # "eos", "length" or "cancelled" once the row is done
+    logprobs: list[TokenLogprob] | None = None  # one per token id, where the row's settings ask
 
 
 @dataclass(frozen=True)
@@ -63,9 +72,10 @@ class FinishedRow:
 
 def batch_key(settings: GenerationSettings) -> GenerationSettings:
     """What rows must agree on to share a batch. A row's temperature is its own: the sampling step
-    draws for the rows whose temperature is above 0 and takes the argmax for the others."""
+    draws for the rows whose temperature is above 0 and takes the argmax for the others; so are its
+    logprobs: a block's steps record them while some row asks."""
     return replace(settings, gen_length=settings.block_length, seed=0, ignore_eos=False, temperature=0.0,
-                   policy=settings.policy.shared())
+                   policy=settings.policy.shared(), logprobs=None)
 
 
 def open_batch(backend: Backend, on_step: Callable[[], None] | None = None,
@@ -112,6 +122,7 @@ class BlockOutcome(NamedTuple):
     reason: str | None
     fill: int  # what the row's tokens hold past its output, once it has finished
     edits: int = 0
+    logprobs: list[TokenLogprob] | None = None  # one per settled token the row's steps committed, where it asks
 
 
 @dataclass
@@ -285,7 +296,7 @@ class RunningBatch(ABC):
         gone = [row for row, out in zip(self.rows, cancelled) if out]
         self._count_forwards(gone, worked)
         for row, outcome in zip(gone, self._read_block(gone, [True] * len(gone))):
-            left.append(self._update(row, -1, outcome.settled, outcome.reason))
+            left.append(self._update(row, -1, outcome))
             self._finish(row, outcome)
         self.rows = [row for row, out in zip(self.rows, cancelled) if not out]
         self.state.clear_rows([row.slot for row in gone])
@@ -318,7 +329,7 @@ class RunningBatch(ABC):
         cancelled = [every_row_cancelled or row.cancelled for row in self.rows]  # read once: another thread sets it
         updates, keep, leaving = [], [], []
         for row, gone, outcome in zip(self.rows, cancelled, self._read_block(self.rows, cancelled)):
-            update = self._update(row, -1 if gone else row.block, outcome.settled, outcome.reason)
+            update = self._update(row, -1 if gone else row.block, outcome)
             if update.token_ids or outcome.reason:
                 updates.append(update)
             if outcome.reason is None:
@@ -332,12 +343,13 @@ class RunningBatch(ABC):
             row.block += 1
         return updates
 
-    def _update(self, row: Row, block: int, settled: list[int], reason: str | None) -> BlockUpdate:
-        rest = settled[row.emitted:]
+    def _update(self, row: Row, block: int, outcome: BlockOutcome) -> BlockUpdate:
+        rest = outcome.settled[row.emitted:]
         new = completion(rest, self.stop_ids)
+        logprobs = None if outcome.logprobs is None else outcome.logprobs[row.emitted:row.emitted + len(new)]
         row.emitted += len(new)
         row.ended = row.ended or len(new) < len(rest)
-        return BlockUpdate(row.tag, block, new, reason)
+        return BlockUpdate(row.tag, block, new, outcome.reason, logprobs)
 
     def _finish(self, row: Row, outcome: BlockOutcome) -> None:
         """Record a finished row: its settled output, then the outcome's fill."""

@@ -4,6 +4,7 @@
     ticket = scheduler.submit(prompt, settings, deliver)   # deliver(event) is called on the worker thread
     scheduler.submit(prompt, settings, deliver, provisional=True)  # BlockProgress events too, every K steps
     ticket.cancel()                                         # the row leaves at its next K-step boundary
+    scheduler.run_between_blocks(work)                      # a concurrent Future of work() run on the worker
     scheduler.stop()                                        # after the requests admitted have finished
 
 Design notes: docs/runtime-modules.md#scheduler.
@@ -12,6 +13,7 @@ Design notes: docs/runtime-modules.md#scheduler.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import itertools
 import threading
 import time
@@ -87,6 +89,7 @@ class Scheduler:
         self._tickets: dict[int, Ticket] = {}  # running or joining, by tag
         self._tags = itertools.count()
         self._recent_tokens: collections.deque[tuple[float, int]] = collections.deque()
+        self._between_blocks: list[tuple[Callable[[], object], concurrent.futures.Future]] = []
         self._lock = threading.Condition()
         self._draining = self._stopped = False
         self._worker = threading.Thread(target=self._work, name="dlmrt-scheduler", daemon=True)
@@ -106,6 +109,17 @@ class Scheduler:
             self._queue.append(ticket)
             self._lock.notify()
         return ticket
+
+    def run_between_blocks(self, work: Callable[[], object]) -> concurrent.futures.Future:
+        """Run `work` on the worker, which owns the backend, before the next block (scoring a text, say);
+        its Future holds what it returns or raises. Raises ShuttingDown."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if self._draining:
+                raise ShuttingDown("the server is shutting down: it takes no new request")
+            self._between_blocks.append((work, future))
+            self._lock.notify()
+        return future
 
     @property
     def waiting(self) -> int:
@@ -140,11 +154,18 @@ class Scheduler:
     def _work(self) -> None:
         while True:
             with self._lock:
-                while not self._queue and not self._busy() and not self._draining:
+                while not self._queue and not self._between_blocks and not self._busy() and not self._draining:
                     self._lock.wait()
-                if not self._queue and not self._busy():
+                if not self._queue and not self._between_blocks and not self._busy():
                     return  # draining, and nothing is left
+                work, self._between_blocks = self._between_blocks, []
                 self._admit()
+            for run, future in work:
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(run())
+                    except Exception as error:  # the caller's to answer
+                        future.set_exception(error)
             if self._busy():
                 self._run_block()
 

@@ -33,6 +33,9 @@ class GenerationSettings:
     # is automatic: 1 on a CPU, where a read costs nothing; on CUDA, as many as the tokens per
     # forward seen so far say the block still needs. Steps after a block is done change nothing.
     steps_per_sync: int | None = None
+    # Each committed token's log-probability at the step that committed it, with this many of the most
+    # likely alternatives (0 to limits.MAX_TOP_LOGPROBS); None computes none (docs/logprobs.md).
+    logprobs: int | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -74,6 +77,10 @@ class GenerationSettings:
                 raise ArgumentError(f"{name.replace('_', '-')} {problem or f'must be >= 0, got {value}'}")
         if not (isinstance(self.seed, int) and not isinstance(self.seed, bool) and 0 <= self.seed <= limits.MAX_SEED):
             raise ArgumentError(f"seed must be an integer in [0, 2**62], got {str(self.seed)[:30]}")
+        if self.logprobs is not None and not (isinstance(self.logprobs, int) and not isinstance(self.logprobs, bool)
+                                              and 0 <= self.logprobs <= limits.MAX_TOP_LOGPROBS):
+            raise ArgumentError(f"logprobs must be an integer in [0, {limits.MAX_TOP_LOGPROBS}] (the alternatives a "
+                                f"token comes with), or None for none; got {self.logprobs!r}")
         if self.cache not in CACHE_MODES:
             raise ArgumentError(f"cache must be one of {', '.join(CACHE_MODES)}, got {self.cache!r}")
 
@@ -88,6 +95,8 @@ def check_request(spec: ModelSpec, prompts: Sequence[Sequence[int]], settings: G
                                 f"entropy_bound")
         raise ArgumentError(f"policy {settings.policy.name!r} decodes uniform-noise models (DiffusionGemma), but "
                             f"{spec.name} is mask-based: use --policy threshold, factor or fixed")
+    if settings.logprobs is not None:
+        _check_logprobs(spec, settings)
     if spec.noise == "uniform" and settings.cache == "dual":
         raise ArgumentError(f"cache mode 'dual' does not apply to {spec.name}: its decoder reads the encoder's "
                             f"cache of everything before the canvas, and nothing after it")
@@ -129,6 +138,17 @@ def check_request(spec: ModelSpec, prompts: Sequence[Sequence[int]], settings: G
             raise ArgumentError(f"prompt {row} ({len(prompt)} tokens) + gen-length ({settings.gen_length}) "
                                 f"needs {needed} positions, more than the model's context of "
                                 f"{spec.max_positions}{hint}")
+
+
+def _check_logprobs(spec: ModelSpec, settings: GenerationSettings) -> None:
+    if spec.noise == "uniform":
+        raise ArgumentError(f"logprobs: policy {settings.policy.name!r} commits no token at a step of its own: each "
+                            f"step resamples the whole block and refills it with random tokens, and the block's "
+                            f"tokens are its last argmax, so no step's probability is a token's; ask for logprobs of "
+                            f"a mask-based model")
+    if not spec.supports_logprobs:
+        raise ArgumentError(f"logprobs: {spec.name} was exported before the step graph returned its logits: "
+                            f"re-export it with this dlmrt (`dlmrt export`) for logprobs, or use the torch backend")
 
 
 def lengths_with_defaults(model, gen_length: int | None, block_length: int | None) -> tuple[int, int]:

@@ -68,8 +68,8 @@ class _TorchGraph:
         if self.observe is not None:
             self.observe(inputs)
         out = self.graph(**inputs)
-        z, certainty = (out[5], out[6]) if len(out) > 5 else (None, None)
-        return GraphOutputs(out[0], out[4], z, certainty)
+        z, certainty = (out[5], out[6]) if self.graph.residual else (None, None)
+        return GraphOutputs(out[0], out[4], z, certainty, out[-1] if self.graph.return_logits else None)
 
 
 class TorchBackend(Backend):
@@ -111,11 +111,12 @@ class TorchBackend(Backend):
         model = model or self._step_model()
         grid = state.bucket.block if self.spec.block_causal else None
         graph = kind.graph(state.bucket.guided)
-        key = (graph, grid, kind.writes > 0, kind.sampling, kind.confidence, kind.editing, id(model))
+        key = (graph, grid, kind.writes > 0, kind.sampling, kind.confidence, kind.editing, kind.logprobs, id(model))
         if key not in self._graphs:
             self._graphs[key] = _TorchGraph(StepGraph(model, graph, grid, return_kv=kind.writes > 0,
                                                       sampling=kind.sampling, confidence=kind.confidence,
-                                                      editing=kind.editing, unmask=self.unmask).eval(),
+                                                      editing=kind.editing, unmask=self.unmask,
+                                                      return_logits=kind.logprobs).eval(),
                                             self.observe)
         return self._graphs[key]
 

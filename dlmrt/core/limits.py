@@ -30,6 +30,8 @@ GiB = 2**30
 # a row's seed is int64, and row i of a batch uses seed + i.
 FLOAT32_MAX = 3.4028234663852886e38
 MAX_SEED = 2**62
+# The most alternatives a committed token's log-probability comes with (OpenAI's cap on top_logprobs)
+MAX_TOP_LOGPROBS = 20
 
 
 def float32_problem(value: float) -> str | None:

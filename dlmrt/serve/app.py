@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import gc
 import json
 import logging
@@ -56,6 +57,8 @@ from dlmrt.runtime import text
 from dlmrt.runtime.backend import Backend
 from dlmrt.runtime.running_batch import BlockProgress
 from dlmrt.runtime.scheduler import Failed, Finished, QueueFull, Scheduler, ShuttingDown
+from dlmrt.runtime.scoring import Scorer
+from dlmrt.serve.logprobs import CompletionLogprobs, chat_logprobs
 from dlmrt.serve.metrics import ServerMetrics
 from dlmrt.serve.provisional import Provisional, ProvisionalView
 from dlmrt.serve.stop_strings import StopScan, tokens_spanning
@@ -87,6 +90,8 @@ class _Decoding:
         self.arrived, self.limits, self.most = time.monotonic(), limits, most
         self.stop, self.decode = StopScan(stops), decode
         self.provisional = ProvisionalView(decode, most)
+        self.alternatives = settings.logprobs  # None: the request asks for no logprobs
+        self.token_logprobs: list = []  # of the completion's ids so far, where it asks (TokenLogprob)
         try:
             self.ticket = scheduler.submit(prompt, settings,
                                            lambda event: loop.call_soon_threadsafe(self.events.put_nowait, event),
@@ -115,6 +120,7 @@ class _Decoding:
                     continue
                 new = event.token_ids[:max(0, self.most - len(ids))]
                 ids += new
+                self.token_logprobs += (event.logprobs or [])[:len(new)]
                 cut = len(new) < len(event.token_ids)
                 reason = "length" if cut else event.finish_reason or ("length" if len(ids) >= self.most else None)
                 so_far = self.decode(ids)
@@ -214,25 +220,35 @@ def create_app(model, backend: Backend, server_limits: ServerLimits = ServerLimi
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 
-    def admitted(kind: type[OpenAIRequest], body: bytes):
-        """(the request, its prompt ids, settings, the most tokens to return): every check before any compute.
-        Runs in a worker thread: a megabyte prompt takes seconds to tokenize."""
+    token_text = _token_text(model)
+    scorer = Scorer(backend)
+
+    def parsed(kind: type[OpenAIRequest], body: bytes) -> OpenAIRequest:
+        """The request, parsed and checked for its model and the values dlmrt cannot honour."""
         request = parse_request(kind, body)
         if request.model != name:
             raise ApiError(404, f"the model {request.model!r} does not exist: this server runs {name!r}",
                            param="model", code="model_not_found")
         request.refuse_unsupported()
+        return request
+
+    def admitted(request: OpenAIRequest):
+        """(its prompt ids, settings, the most tokens to return): every check before any compute."""
         if isinstance(request, ChatRequest):
             prompt, most = _rendered(chat_template, name, request), request.most_tokens
         else:
             prompt, most = request.prompt, request.max_tokens
-        return request, *_prepare(model, backend, request, prompt, most)
+        return _prepare(model, backend, request, prompt, most)
 
-    async def start(http: Request, kind: type[OpenAIRequest]):
-        """(the request, its decoding, its prompt ids), parsed and checked off the event loop."""
-        request, ids, settings, most = await run_in_threadpool(admitted, kind, await http.body())
-        return request, _Decoding(scheduler, ids, settings, most, request.stop, lambda ids: _text(model, ids),
-                                  server_limits, request.stream_provisional), ids
+    async def received(http: Request, kind: type[OpenAIRequest]) -> OpenAIRequest:
+        return await run_in_threadpool(parsed, kind, await http.body())
+
+    async def start(request: OpenAIRequest) -> tuple[_Decoding, list[int]]:
+        """The request's decoding and its prompt ids. Parsing, templating and tokenizing run in a worker
+        thread: a megabyte prompt takes seconds to tokenize, and the event loop serves the others."""
+        ids, settings, most = await run_in_threadpool(admitted, request)
+        return _Decoding(scheduler, ids, settings, most, request.stop, lambda ids: _text(model, ids),
+                         server_limits, request.stream_provisional), ids
 
     async def finished(decoding: _Decoding) -> tuple[str, list[int], str]:
         completion, ids, reason = "", [], None
@@ -274,25 +290,62 @@ def create_app(model, backend: Backend, server_limits: ServerLimits = ServerLimi
         return StreamingResponse(sse(decoding, header, choice, len(prompt), request.include_usage),
                                  media_type="text/event-stream")
 
+    def logprobs_of(decoding: _Decoding, shape: Callable[[list[int], list], dict]) -> Callable[[list[int]], dict]:
+        """The logprobs of each next run of the completion's ids, in `shape` (None where not asked)."""
+        taken = 0
+
+        def take(ids: list[int]) -> dict | None:
+            nonlocal taken
+            entries = decoding.token_logprobs[taken:taken + len(ids)]
+            taken += len(ids)
+            return shape(ids, entries) if decoding.alternatives is not None else None
+        return take
+
+    async def scored(request: CompletionRequest) -> dict:
+        """echo with max_tokens 0: the prompt, scored by the denoiser (`dlmrt.runtime.scoring`) on the
+        scheduler's worker, between two blocks; the prompt is tokenized in a worker thread."""
+        alternatives = request.alternatives()
+        ids, block = await run_in_threadpool(_scoring_input, model, backend, request)
+        logprobs = None
+        if alternatives is not None:
+            try:
+                entries = await asyncio.wrap_future(
+                    scheduler.run_between_blocks(lambda: scorer.score(ids, block, alternatives)))
+            except ShuttingDown as error:
+                raise ApiError(503, str(error), code="shutting_down", kind="server_error") from None
+            except DlmrtError as error:
+                raise ApiError(400, f"prompt: {error}", param="prompt", code="invalid_value") from None
+            logprobs = CompletionLogprobs(token_text, alternatives).take(ids, entries)
+        echoed = request.prompt if isinstance(request.prompt, str) else _text(model, ids)
+        return {**reply_header("text_completion", name), "choices": [completion_choice(echoed, [], "length", logprobs)],
+                "usage": usage(len(ids), 0)}
+
     @app.post("/v1/completions")
     async def completions(http: Request):
-        request, decoding, prompt = await start(http, CompletionRequest)
+        request = await received(http, CompletionRequest)
+        if request.scores:
+            return await scored(request)
+        decoding, prompt = await start(request)
         header = reply_header("text_completion", name)
+        logprobs = logprobs_of(decoding, CompletionLogprobs(token_text, decoding.alternatives or 0).take)
         if request.stream:
             return streamed(request, decoding, header, prompt,
-                            lambda piece, ids, reason, first: completion_choice(piece, ids, reason))
+                            lambda piece, ids, reason, first: completion_choice(piece, ids, reason, logprobs(ids)))
         completion, ids, reason = await finished(decoding)
-        return {**header, "choices": [completion_choice(completion, ids, reason)],
+        return {**header, "choices": [completion_choice(completion, ids, reason, logprobs(ids))],
                 "usage": usage(len(prompt), len(ids))}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(http: Request):
-        request, decoding, prompt = await start(http, ChatRequest)
+        request = await received(http, ChatRequest)
+        decoding, prompt = await start(request)
+        logprobs = logprobs_of(decoding, lambda ids, entries: chat_logprobs(ids, entries, token_text,
+                                                                            decoding.alternatives or 0))
         if request.stream:
             return streamed(request, decoding, reply_header("chat.completion.chunk", name), prompt,
-                            lambda piece, ids, reason, first: chat_delta(piece, reason, first))
+                            lambda piece, ids, reason, first: chat_delta(piece, reason, first, logprobs(ids)))
         content, ids, reason = await finished(decoding)
-        return {**reply_header("chat.completion", name), "choices": [chat_choice(content, reason)],
+        return {**reply_header("chat.completion", name), "choices": [chat_choice(content, reason, logprobs(ids))],
                 "usage": usage(len(prompt), len(ids))}
 
     return app
@@ -313,7 +366,8 @@ def _rendered(chat_template: ChatTemplate | None, name: str, request: ChatReques
 
 
 # What a settings or prompt check names (the CLI's spelling), and the request field it is about
-_FIELDS_NAMED = (("prompt", "prompt"), ("gen-length", "gen_length"), ("block-length", "block_length"),
+_FIELDS_NAMED = (("logprobs", "logprobs"),
+                 ("prompt", "prompt"), ("gen-length", "gen_length"), ("block-length", "block_length"),
                  ("policy", "policy"), ("threshold", "threshold"), ("steps", "steps"), ("cache", "cache"),
                  ("temperature", "temperature"), ("seed", "seed"))
 
@@ -334,6 +388,30 @@ def _text(model, ids: list[int]) -> str:
     return text.decode(model, ids) or ""
 
 
+def _token_text(model) -> Callable[[int], str]:
+    """A token's own text, special tokens included (its id, where the model has no tokenizer)."""
+    if model.tokenizer is None:
+        return str
+    return lambda token: model.tokenizer.decode([token], skip_special_tokens=False)
+
+
+def _scoring_input(model, backend: Backend, request: CompletionRequest) -> tuple[list[int], int]:
+    """(the prompt's ids, the block length) of a request that scores its prompt; every check before any compute."""
+    from dlmrt.runtime.scoring import check_scorable, check_text
+
+    try:
+        check_scorable(backend.spec)
+    except DlmrtError as error:
+        raise ApiError(400, f"echo: {error}", param="echo", code="unsupported_value") from None
+    block = request.block_length or model.generation_config.get("block_length") or model.default_block_length
+    try:
+        ids = text.encode(model, request.prompt) if isinstance(request.prompt, str) else list(request.prompt)
+        check_text(backend, ids)
+    except DlmrtError as error:
+        raise ApiError(400, f"prompt: {error}", param="prompt", code="invalid_value") from None
+    return ids, block or len(ids)
+
+
 def _prepare(model, backend: Backend, request: OpenAIRequest, prompt: str | list[int], wanted: int | None):
     """(prompt ids, settings, the most tokens to return) for a request; every check before any compute."""
     from dlmrt.runtime.settings import check_request, settings_with_defaults
@@ -351,6 +429,7 @@ def _prepare(model, backend: Backend, request: OpenAIRequest, prompt: str | list
             confidence="prob", minimal_topk=1, editing_threshold=None, max_post_steps=None, preset=None,
             entropy_bound=None, cache=request.cache or "none", max_block_steps=None,
             temperature=request.temperature or 0.0, cfg_scale=0.0, seed=request.seed or 0, steps_per_sync=None)
+        settings = dataclasses.replace(settings, logprobs=request.alternatives())
         check_request(backend.spec, [ids], settings)
     except DlmrtError as error:
         raise ApiError(400, str(error), param=_param_named(str(error), request), code="invalid_value") from None

@@ -3,8 +3,9 @@
 A request takes every field of OpenAI's Completions or Chat Completions request, and the diffusion
 knobs (`gen_length`, `block_length`, `policy`, `threshold`, `cache`, `steps`) as extra top-level
 fields; any other field is refused (400, naming it). Of OpenAI's fields, dlmrt honours `model`, the
-prompt or messages, `max_tokens` (`max_completion_tokens`), `temperature`, `seed`, `stop`, `stream`
-and `stream_options.include_usage`;
+prompt or messages, `max_tokens` (`max_completion_tokens`), `temperature`, `seed`, `stop`, `stream`,
+`stream_options.include_usage`, `logprobs` and `top_logprobs` (`alternatives`), and Completions'
+`echo` with `max_tokens: 0`, which scores the prompt (docs/logprobs.md);
 identifiers and hints (`user`, `metadata`, `safety_identifier`, the `prompt_cache_*` fields,
 `parallel_tool_calls`) change nothing and are taken as they come. Every other field is in
 NO_OP_ONLY: taken at the values that ask for nothing, refused at any other with a 400 that says why
@@ -30,6 +31,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from dlmrt.core import limits
 
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's cap on a Completions request's logprobs
+
 # dlmrt's finish reasons as OpenAI names them: a row that committed end-of-sequence stopped
 FINISH_REASONS = {"eos": "stop", "length": "length"}
 MAX_STOP_STRINGS = 4  # as OpenAI
@@ -51,11 +54,6 @@ NO_OP_ONLY: dict[str, NoOpOnly] = {
     "frequency_penalty": NoOpOnly((0.0,), "dlmrt applies no penalties: leave frequency_penalty out or 0"),
     "presence_penalty": NoOpOnly((0.0,), "dlmrt applies no penalties: leave presence_penalty out or 0"),
     "logit_bias": NoOpOnly(({},), "dlmrt does not bias logits: leave logit_bias out or {}"),
-    # A completion's logprobs=0 still asks for the chosen tokens' log probabilities; only false asks for none
-    "logprobs": NoOpOnly((False,), "dlmrt does not return log probabilities yet: leave logprobs out or false"),
-    "top_logprobs": NoOpOnly((0,), "dlmrt does not return log probabilities yet: leave top_logprobs out or 0"),
-    "echo": NoOpOnly((False,), "dlmrt does not echo the prompt: leave echo out or false, and prepend the prompt "
-                               "yourself"),
     "n": NoOpOnly((1,), "dlmrt returns one choice a request: leave n out or 1, and send n requests (with "
                         "different seeds for different choices)"),
     "best_of": NoOpOnly((1,), "dlmrt returns one choice a request and ranks none: leave best_of out or 1"),
@@ -149,10 +147,35 @@ class CompletionRequest(OpenAIRequest):
     """`POST /v1/completions`."""
 
     prompt: str | list[int] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=0, le=limits.MAX_POSITIONS)  # 0: with echo, scores the prompt
     suffix: str | None = None
-    echo: bool | None = None
+    echo: bool | None = Field(default=None, strict=True)
     best_of: int | None = None
-    logprobs: bool | int | None = None  # a number of alternatives; false and 0 differ (NO_OP_ONLY)
+    logprobs: int | None = Field(default=None, strict=True)  # the alternatives a token comes with; 0 asks for none
+
+    def alternatives(self) -> int | None:
+        """The alternatives each token's logprob comes with, or None where logprobs are not asked for."""
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_COMPLETION_LOGPROBS:
+            raise ApiError(400, f"logprobs: a completion's tokens come with 0 to {MAX_COMPLETION_LOGPROBS} "
+                                f"alternatives, as in OpenAI's API; got {self.logprobs}", param="logprobs",
+                           code="invalid_value")
+        return self.logprobs
+
+    @property
+    def scores(self) -> bool:
+        """Whether the request scores its prompt (echo with max_tokens 0) instead of generating; the
+        combinations dlmrt does not run are refused."""
+        if self.echo and self.stream:
+            raise ApiError(400, "echo: a scored prompt comes in one reply, not streamed: leave stream out with echo",
+                           param="echo", code="unsupported_value")
+        if self.echo and self.max_tokens != 0:
+            raise ApiError(400, "echo: dlmrt echoes a prompt only to score it: give max_tokens 0 with echo, or "
+                                "leave echo out and prepend the prompt to the completion yourself", param="echo",
+                           code="unsupported_value")
+        if self.max_tokens == 0 and not self.echo:
+            raise ApiError(400, "max_tokens: 0 generates nothing: give at least 1, or echo: true to score the "
+                                "prompt", param="max_tokens", code="invalid_value")
+        return bool(self.echo)
 
 
 class ChatMessage(BaseModel):
@@ -168,8 +191,8 @@ class ChatRequest(OpenAIRequest):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=limits.MAX_POSITIONS)
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
+    logprobs: bool | None = Field(default=None, strict=True)
+    top_logprobs: int | None = Field(default=None, strict=True)
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None
@@ -195,6 +218,18 @@ class ChatRequest(OpenAIRequest):
     def most_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    def alternatives(self) -> int | None:
+        """The alternatives each token's logprob comes with (top_logprobs), or None where logprobs are not
+        asked for."""
+        top = self.top_logprobs
+        if top is not None and not 0 <= top <= limits.MAX_TOP_LOGPROBS:
+            raise ApiError(400, f"top_logprobs: a token comes with 0 to {limits.MAX_TOP_LOGPROBS} alternatives, as "
+                                f"in OpenAI's API; got {top}", param="top_logprobs", code="invalid_value")
+        if top and not self.logprobs:
+            raise ApiError(400, "top_logprobs: alternatives come with logprobs: set logprobs to true, or leave "
+                                "top_logprobs out", param="top_logprobs", code="invalid_value")
+        return (top or 0) if self.logprobs else None
+
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
@@ -214,21 +249,21 @@ def reply_header(kind: Literal["text_completion", "chat.completion", "chat.compl
     return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()), "model": model}
 
 
-def completion_choice(text: str, ids: list[int], reason: str | None) -> dict:
+def completion_choice(text: str, ids: list[int], reason: str | None, logprobs: dict | None = None) -> dict:
     return {"index": 0, "text": text, "token_ids": ids, "finish_reason": FINISH_REASONS.get(reason, reason),
-            "logprobs": None}
+            "logprobs": logprobs}
 
 
-def chat_choice(text: str, reason: str | None) -> dict:
+def chat_choice(text: str, reason: str | None, logprobs: dict | None = None) -> dict:
     return {"index": 0, "message": {"role": "assistant", "content": text},
-            "finish_reason": FINISH_REASONS.get(reason, reason), "logprobs": None}
+            "finish_reason": FINISH_REASONS.get(reason, reason), "logprobs": logprobs}
 
 
-def chat_delta(text: str | None, reason: str | None, first: bool) -> dict:
+def chat_delta(text: str | None, reason: str | None, first: bool, logprobs: dict | None = None) -> dict:
     delta = {"role": "assistant"} if first else {}
     if text:
         delta["content"] = text
-    return {"index": 0, "delta": delta, "finish_reason": FINISH_REASONS.get(reason, reason), "logprobs": None}
+    return {"index": 0, "delta": delta, "finish_reason": FINISH_REASONS.get(reason, reason), "logprobs": logprobs}
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

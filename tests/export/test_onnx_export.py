@@ -75,10 +75,11 @@ def test_ort_binds_each_step_kind_once_and_no_kv_where_none_is_written(exported)
     assert torch.equal(Generator(backend).generate(PROMPTS, settings).tokens,
                        Generator(model, mode="eager").generate(PROMPTS, settings).tokens)
     assert backend.executor.bound == bindings  # the second request binds nothing: the buffers are the same
-    kinds = {(window, writes): binding for (_, (window, _, _, writes)), binding in bindings.items()}
+    kinds = {(window, writes): binding for (_, (window, _, _, writes, _)), binding in bindings.items()}
     refresh, block = kinds[(24, 24)], kinds[(4, 0)]  # 3 rows of up to 9 + 12 tokens: a canvas of 24
     assert refresh.outputs["kv"].data_ptr() == refresh.state.kv.data_ptr()  # straight into the cache storage
     assert "kv" not in block.outputs
+    assert not any("logits" in binding.outputs for binding in bindings.values())  # no row asked for logprobs
 
 
 def test_manifest_records_the_contract(exported):
@@ -94,7 +95,7 @@ def test_manifest_records_the_contract(exported):
     assert [i["name"] for i in cached["inputs"]][-5:] == ["past_kv", "past_positions", "past_key_mask", "z",
                                                           "certainty"]
     assert [o["name"] for o in cached["outputs"]] == ["new_ids", "confidence", "commit", "committed", "kv",
-                                                      "next_z", "next_certainty"]
+                                                      "next_z", "next_certainty", "logits"]
 
 
 def test_the_custom_node_and_its_function_are_in_each_graph(exported):

@@ -70,7 +70,7 @@ def test_streaming_sends_a_block_at_a_time_and_ends_with_done(client, model):
 @pytest.mark.parametrize("body, status, param, message", [
     ({"model": "tiny-llada", "prompt": "x", "temprature": 1}, 400, "temprature", "unknown field"),
     ({"model": "tiny-llada", "prompt": ""}, 400, "prompt", "at least 1"),
-    ({"model": "tiny-llada", "prompt": "x", "max_tokens": -4}, 400, "max_tokens", "greater than or equal to 1"),
+    ({"model": "tiny-llada", "prompt": "x", "max_tokens": -4}, 400, "max_tokens", "greater than or equal to 0"),
     ({"model": "tiny-llada", "prompt": "x", "gen_length": 4096}, 400, "prompt", "more than the model's context"),
     ({"model": "tiny-llada", "prompt": "1" * 60}, 400, "prompt", "more than the model's context"),
     ({"model": "tiny-llada", "prompt": [3, 99999]}, 400, "prompt", "outside the vocabulary"),

@@ -50,7 +50,7 @@ FIELDS = {  # field: (endpoints, right values, wrong values); null is taken wher
     "suffix": ("completions", *STRING),
     "echo": ("completions", *BOOLEAN),
     "best_of": ("completions", [1], ["1", 1.5, True]),
-    "logprobs": ("completions", [True, 2], ["yes", "2", 1.5]),
+    "logprobs": ("completions", [0, 2], ["yes", "2", 1.5, True]),  # OpenAI: an integer (0-5) or null
     "messages": ("chat", [[{"role": "user", "content": "x"}]], ["x", {}, [1]]),
     "messages.0.role": ("chat", ["assistant"], [1, True]),
     "messages.0.content": ("chat", ["x"], [1, True, None]),
