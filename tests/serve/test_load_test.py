@@ -5,11 +5,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -34,31 +31,12 @@ def run_script(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 def server_url():
     """`dlmrt serve` (tiny model, eager) on 127.0.0.1 at a free port, once /health answers; a stalled body
     gets its 408 after 1 s."""
-    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("httpx")
     pytest.importorskip("fastapi", reason="the server needs the 'serve' extra")
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen([sys.executable, "-m", "dlmrt.cli", "serve", "--mode", "eager", "--port", str(port),
-                               "--max-batch", "8", "--body-timeout", "1"], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, env={**os.environ, "NO_COLOR": "1"})
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                httpx.get(f"{url}/health", timeout=1).raise_for_status()
-                break
-            except httpx.TransportError:
-                assert server.poll() is None and time.monotonic() < deadline, server.stdout.read().decode()[-2000:]
-                time.sleep(0.2)
-        yield url
-    finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            server.kill()
+    from live_server import dlmrt_serve
+
+    with dlmrt_serve("--max-batch", "8", "--body-timeout", "1") as (_, port):
+        yield f"http://127.0.0.1:{port}"
 
 
 @pytest.mark.slow
