@@ -164,6 +164,16 @@ def test_framework_errors_are_openai_shaped(live, method, path, body, status, co
         assert response.headers["allow"] == "POST"
 
 
+@pytest.mark.parametrize("field, value", [("max_tokens", "16"), ("stream", "yes"), ("prompt", 5)])
+def test_the_issue_s_coercions_are_400s_naming_the_field_on_loopback(live, field, value):
+    """`"max_tokens": "16"` was taken as 16 and `"stream": "yes"` as true; a prompt of the wrong type was
+    named `prompt.str` (every field's types: test_strict_types.py)."""
+    body = {"model": "tiny-llada", "prompt": "add:1+2=", field: value}
+    response = httpx.post(f"{live.url}/v1/completions", json=body, timeout=10)
+    error = response.json()["error"]
+    assert response.status_code == 400 and set(error) == ERROR_KEYS and error["param"] == field, response.text
+
+
 def test_unparseable_http_is_an_openai_shaped_400(live):
     with connect(live) as sock:
         sock.sendall(b"NOT HTTP AT ALL\r\n\r\n")
