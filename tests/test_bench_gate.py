@@ -37,6 +37,7 @@ backends = ["reference", "torch:eager", "torch:compile"]
 
 [scenarios.ort]
 backends = ["reference", "torch:eager", "ort"]
+margin = 0.05  # as dlmrt's own suite times its modes: a 30% delay then fails even on a loaded machine
 """
 
 
