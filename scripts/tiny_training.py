@@ -12,14 +12,16 @@ import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from dlmrt.core import tasks
+from dlmrt.core.errors import ArgumentError
 
 
 def parse_task_names(parser: argparse.ArgumentParser, value: str) -> tuple[str, ...]:
     """The comma-separated task names of --tasks; a parser error unless they are task-suite tasks."""
     names = tuple(name.strip() for name in value.split(",") if name.strip())
-    unknown = [name for name in names if name not in tasks.TASKS]
-    if unknown or not names:
-        parser.error(f"unknown task {', '.join(unknown) or '(none)'}: tasks are {', '.join(tasks.TASKS)}")
+    try:
+        tasks.check_task_names(names)
+    except ArgumentError as error:
+        parser.error(str(error))
     return names
 
 

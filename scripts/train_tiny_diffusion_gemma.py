@@ -51,6 +51,7 @@ from rich.console import Console
 from rich.table import Table
 
 from dlmrt.core import tasks
+from dlmrt.core.errors import DlmrtError
 from dlmrt.export import checkpoint, models
 from dlmrt.runtime import text
 
@@ -216,6 +217,10 @@ def main() -> None:
     parser.add_argument("--tasks", default=",".join(tasks.TASKS), help="comma-separated task names to train on")
     args = parser.parse_args()
     args.tasks = parse_task_names(parser, args.tasks)
+    try:
+        tasks.check_canvas(args.tasks, GEN_LENGTH)
+    except DlmrtError as error:
+        parser.error(str(error))
     torch.set_num_threads(args.threads)
 
     result = train(args)

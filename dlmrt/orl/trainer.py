@@ -67,10 +67,7 @@ class TrainingConfig:
 
     def check(self) -> None:
         """One clear error for a setting that cannot work, before anything is loaded."""
-        unknown = [name for name in self.tasks if name not in tasks.TASKS]
-        if unknown or not self.tasks:
-            raise ArgumentError(f"unknown task {', '.join(map(repr, unknown)) or '(none given)'}: tasks are "
-                                f"{', '.join(tasks.TASKS)}")
+        tasks.check_canvas(self.tasks, self.gen_length)
         if self.residual and self.adapter not in residual_context.ADAPTERS:
             raise ArgumentError(f"adapter {self.adapter!r} is not registered (registered: "
                                 f"{', '.join(sorted(residual_context.ADAPTERS))})")
@@ -145,6 +142,7 @@ class Run:
     def start(cls, base: Path, config: TrainingConfig, out: Path) -> Run:
         config.check()
         model = start_model(base, config)
+        tasks.check_canvas(config.tasks, config.gen_length, model.max_positions)
         return cls(model, config, out, weights_sha256(base))
 
     @classmethod

@@ -198,7 +198,7 @@ def test_eval_on_a_jsonl_file(tmp_path, random_model_dir):
 @pytest.mark.parametrize("args, message", [
     (["--setting", "fixed:steps=x"], "setting 'fixed:steps=x': steps must be an integer, got 'x'"),
     (["--setting", "threshold:threshold=2"], "setting 'threshold:threshold=2': threshold must lie in (0, 1]"),
-    (["--tasks", "rev,mul"], "expected task names from rev, sort, add"),
+    (["--tasks", "rev,div"], "expected task names from rev, sort, add, same, psum, mul"),
     (["--data", "examples.jsonl", "--per-task", "3"], "--data replaces the task suite: drop --per-task"),
     (["--plot", "curve.svg"], "the plot is a PNG: give a path ending in .png"),
 ])

@@ -197,12 +197,21 @@ def test_an_orl_checkpoint_is_not_a_base(tmp_path):
 @pytest.mark.parametrize("change, message", [
     ({"adapter": "transformer"}, r"adapter 'transformer' is not registered \(registered: linear, mlp\)"),
     ({"tasks": ("rev", "div")}, r"unknown task 'div': tasks are rev, sort, add, same"),
+    ({"tasks": ("rev", "psum")}, r"task 'psum' answers in up to 31 tokens, .* length of 32, got 16"),
     ({"policy": "greedy"}, r"unknown policy 'greedy'"),
     ({"updates": 0}, r"updates must be positive, got 0"),
 ])
 def test_bad_settings_are_refused_before_anything_loads(tmp_path, change, message):
     with pytest.raises(ArgumentError, match=message):
         Run.start(tmp_path / "no-such-base", replace(SMALL, **change), tmp_path / "out")
+
+
+def test_a_base_whose_context_cannot_hold_the_canvas_is_refused(tmp_path):
+    long = replace(SMALL, tasks=("psum",), gen_length=32, block_length=32)
+    with pytest.raises(ArgumentError, match=r"task 'psum' has prompts of up to 37 tokens: with 32 generated that "
+                                            r"is 69, more than the model's context of 64"):
+        Run.start(dlmrt.TINY_MODEL_DIR, long, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.fixture
@@ -272,6 +281,7 @@ def test_the_comparison_plot_is_a_png(tmp_path):
 @pytest.mark.parametrize("options, message", [
     (["--adapter", "transformer"], "adapter 'transformer' is not registered"),
     (["--tasks", "rev,div"], "unknown task 'div'"),
+    (["--tasks", "psum"], "task 'psum' answers in up to 31 tokens"),
 ])
 def test_the_script_prints_one_line_for_bad_input(tmp_path, options, message):
     import subprocess
