@@ -26,9 +26,9 @@ follows from its neighbour in the answer, so committing many at once must hurt:
   Given the answer digit before it, it is one addition; without it, a sum of up to 31 digits.
 - `mul`  a 30-digit number times one digit, zero-padded to 31 digits: each digit is the product's
   digit plus the carry from everything to its right. The answer digit to its right fixes that carry
-  (given the inputs); without it the carry is a chain through every lower digit. Measured on a
-  first base, the carries are mostly settled by the next one or two input digits, so decoding 4
-  digits a step cost it nothing: as written, `mul` shows little of that harm (docs/tiny-model.md).
+  (given the inputs); without it the carry is a chain through every lower digit. Most carries
+  settle within the next input digit or two, so parallel decoding costs `mul` less than `psum`
+  (measured: docs/tiny-model.md).
 
 Prompts read `task:input=` and the answer follows, then end-of-sequence, e.g.
 `add:317+045=` -> `0362`. A prompt belongs to the held-out split when the CRC-32
