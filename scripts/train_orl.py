@@ -1,14 +1,16 @@
-"""Train an ORL model (or its control) on-policy from a base checkpoint, at small scale.
+"""Train an ORL model (or its control, or the base further) from a base checkpoint, at small scale.
 
     python scripts/train_orl.py --base dlmrt/assets/tiny-llada --out dlmrt/assets/tiny-llada-orl
-    python scripts/train_orl.py --base dlmrt/assets/tiny-llada --out runs/control --control
+    python scripts/train_orl.py --base dlmrt/assets/tiny-llada --out runs/control --method control
+    python scripts/train_orl.py --base dlmrt/assets/tiny-llada --out runs/further --method further
     python scripts/train_orl.py --base dlmrt/assets/tiny-llada --out runs/orl --resume   # after a stop
 
 Each iteration rolls the current model out with dlmrt's own step loop under an aggressive policy,
 keeps the states of the verified rows (the canvas, and the exact `z` and certainty each step
 consumed), and trains on them: cross-entropy on the masked positions with `z` held fixed, plus the
-adjacent-entropy-contraction term (`dlmrt.orl`). `--control` runs the same loop on the base
-architecture, with no residual pathway. Seeded; the defaults take about 15 minutes on 2 CPU cores.
+adjacent-entropy-contraction term (`dlmrt.orl`). `--method control` runs the same loop on the base
+architecture, with no residual pathway; `--method further` takes as many updates of the base's own
+objective, on training examples rather than rollouts. Seeded; the defaults take about 15 minutes on 2 CPU cores.
 The model is saved after every iteration with its training state, atomically; the finished model
 gets training_report.json and no training state.
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from dataclasses import asdict, fields, replace
@@ -30,7 +33,7 @@ from rich.table import Table
 from dlmrt.core import atomic, tasks
 from dlmrt.core.errors import DlmrtError
 from dlmrt.eval.evaluation import exact_match
-from dlmrt.orl.trainer import Run, TrainingConfig, weights_sha256
+from dlmrt.orl.trainer import METHODS, Run, TrainingConfig, weights_sha256
 from dlmrt.runtime import Fixed
 
 HELD_OUT_SEED = 1234
@@ -40,14 +43,15 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", type=Path, help="the base checkpoint to start from (not needed with --resume)")
     parser.add_argument("--out", type=Path, required=True, help="where the model and its training state go")
-    parser.add_argument("--control", action="store_true", help="train the base architecture, without the residual")
+    parser.add_argument("--method", choices=tuple(METHODS), default="orl",
+                        help="; ".join(f"{name}: {what}" for name, what in METHODS.items()))
     parser.add_argument("--resume", action="store_true", help="continue the run saved in --out")
     parser.add_argument("--tasks", default=",".join(tasks.TASKS), help="comma-separated task names")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--eval-per-task", type=int, default=100, help="held-out prompts per task in the report")
     defaults = TrainingConfig()
     for f in fields(TrainingConfig):
-        if f.name in ("residual", "tasks"):
+        if f.name in ("method", "tasks"):
             continue
         kind = type(getattr(defaults, f.name)) if getattr(defaults, f.name) is not None else int
         parser.add_argument(f"--{f.name.replace('_', '-')}", type=kind, default=getattr(defaults, f.name))
@@ -55,9 +59,9 @@ def parse_args() -> argparse.Namespace:
 
 
 def config_of(args: argparse.Namespace) -> TrainingConfig:
-    values = {f.name: getattr(args, f.name) for f in fields(TrainingConfig) if f.name not in ("residual", "tasks")}
+    values = {f.name: getattr(args, f.name) for f in fields(TrainingConfig) if f.name != "tasks"}
     names = tuple(name.strip() for name in args.tasks.split(",") if name.strip())
-    return TrainingConfig(residual=not args.control, tasks=names, **values)
+    return TrainingConfig(tasks=names, **values)
 
 
 def main() -> int:
@@ -78,7 +82,7 @@ def main() -> int:
     started = time.perf_counter()
     done = run.iteration * config.updates
     total = config.iterations * config.updates
-    columns = (TextColumn("ORL" if config.residual else "control"), BarColumn(), MofNCompleteColumn(),
+    columns = (TextColumn(config.method), BarColumn(), MofNCompleteColumn(),
                TextColumn("rollout EM {task.fields[em]:.1%} TPF {task.fields[tpf]:.2f}  loss {task.fields[loss]:.4f}"),
                TimeRemainingColumn())
     with Progress(*columns, console=console) as progress:
@@ -86,16 +90,18 @@ def main() -> int:
                                 loss=float("nan"))
 
         def on_iteration(record):
-            progress.update(bar, em=record.rollout_exact_match, tpf=record.rollout_tpf, loss=record.loss)
+            em, tpf, loss = (math.nan if value is None else value
+                             for value in (record.rollout_exact_match, record.rollout_tpf, record.loss))
+            progress.update(bar, em=em, tpf=tpf, loss=loss)
             if not console.is_terminal:
-                console.print(f"iteration {record.iteration + 1}/{config.iterations}: rollout exact-match "
-                              f"{record.rollout_exact_match:.1%}, TPF {record.rollout_tpf:.2f}, {record.states} "
-                              f"states, loss {record.loss:.4f} ({time.perf_counter() - started:.0f} s)")
+                console.print(f"iteration {record.iteration + 1}/{config.iterations}: rollout exact-match {em:.1%}, "
+                              f"TPF {tpf:.2f}, {record.states} states, loss {loss:.4f} "
+                              f"({time.perf_counter() - started:.0f} s)")
 
         history = run.train(on_update=lambda: progress.advance(bar), on_iteration=on_iteration)
     train_seconds = time.perf_counter() - started
     report = {
-        "method": "control" if args.control else "orl",
+        "method": config.method,
         "config": asdict(config),
         "base_weights_sha256": run.base_sha256,
         "parameters": sum(p.numel() for p in run.model.parameters()),

@@ -8,12 +8,7 @@ The shipped model was trained in two stages (docs/tiny-model.md): 3,000 steps fr
 on `--tasks rev,sort,add`, then 2,000 steps from that model on every task. The third command
 trains a base on the headroom tasks, whose answers take a canvas of 32.
 
-Masked-diffusion SFT as in LLaDA: the prompt stays clean; each row draws a
-masking ratio t ~ U(0, 1) and masks that share of the response (answer, then
-EOS up to --gen-length); the loss is the mean cross-entropy over masked
-positions (LLaDA's 1/t weighting made this small model's training noisy).
-Half the rows instead mask a random suffix of blocks entirely and part of the
-block before it, as semi-autoregressive decoding sees them. Everything is
+The objective is masked-diffusion SFT as in LLaDA (`dlmrt.orl.supervised`). Everything is
 seeded; on 2 CPU cores 3,000 steps from scratch take about 10 minutes.
 At the end the script measures exact-match per task on the held-out split
 with one token per step and writes it beside the checkpoint.
@@ -28,7 +23,6 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
@@ -38,6 +32,7 @@ from dlmrt.core.errors import DlmrtError
 from dlmrt.eval.evaluation import exact_match
 from dlmrt.export import checkpoint, models
 from dlmrt.export.models import SpecialTokens
+from dlmrt.orl import supervised
 from dlmrt.runtime import Fixed, GenerationSettings
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -56,39 +51,6 @@ def model_config(d_model: int, layers: int, heads: int, kv_heads: int, context: 
     }
 
 
-def make_batch(rng: random.Random, tokenizer, size: int, generator: torch.Generator, task_names: tuple[str, ...],
-               gen_length: int = 16, block_length: int = 8):
-    """Left-padded prompts + responses of `gen_length` tokens: masked inputs, key mask, targets, which are
-    masked, prompt width."""
-    rows = [tasks.sample(rng.choice(task_names), "train", rng) for _ in range(size)]
-    prompts = [tokenizer.encode(e.prompt).ids for e in rows]
-    width = max(len(p) for p in prompts)
-    ids = torch.full((size, width + gen_length), tasks.PAD_ID, dtype=torch.long)
-    key_mask = torch.zeros_like(ids, dtype=torch.bool)
-    for row, (prompt, example) in enumerate(zip(prompts, rows)):
-        answer = tokenizer.encode(example.answer).ids
-        response = answer + [tasks.EOS_ID] * (gen_length - len(answer))
-        ids[row, width - len(prompt):width] = torch.tensor(prompt)
-        ids[row, width:] = torch.tensor(response)
-        key_mask[row, width - len(prompt):] = True
-
-    t = torch.rand(size, 1, generator=generator) * (1 - 1e-3) + 1e-3
-    masked = torch.rand(size, gen_length, generator=generator) < t
-    # Semi-autoregressive view for half the rows: later blocks fully masked.
-    blocks = gen_length // block_length
-    suffix_start = torch.randint(1, blocks + 1, (size, 1), generator=generator) * block_length
-    position = torch.arange(gen_length)[None]
-    semi_ar = torch.rand(size, 1, generator=generator) < 0.5
-    in_suffix = position >= suffix_start
-    in_current = (position >= suffix_start - block_length) & ~in_suffix
-    masked = torch.where(semi_ar, in_suffix | (in_current & masked), masked)
-    masked[masked.sum(1) == 0, -1] = True
-
-    inputs = ids.clone()
-    inputs[:, width:] = torch.where(masked, tasks.MASK_ID, ids[:, width:])
-    return inputs, key_mask, ids[:, width:], masked, width
-
-
 def train(args) -> dict:
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
@@ -104,15 +66,11 @@ def train(args) -> dict:
     model.requires_grad_(True)
     parameters = sum(p.numel() for p in model.parameters())
 
-    def masked_loss() -> torch.Tensor:
-        inputs, key_mask, targets, masked, width = make_batch(rng, tokenizer, args.batch_size, generator, args.tasks,
-                                                              args.gen_length, args.block_length)
-        logits = model.denoise(inputs, key_mask=key_mask).logits[:, width:]
-        loss_per_token = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                                         reduction="none").view_as(targets)
-        return (loss_per_token * masked).sum() / masked.sum()
+    def loss_of_step() -> torch.Tensor:
+        return supervised.masked_loss(model, supervised.masked_batch(
+            rng, tokenizer, args.batch_size, generator, args.tasks, args.gen_length, args.block_length))
 
-    _, train_seconds = train_steps(model, masked_loss, args.steps, args.lr, args.weight_decay)
+    _, train_seconds = train_steps(model, loss_of_step, args.steps, args.lr, args.weight_decay)
     model.eval().requires_grad_(False)
     model.tokenizer = tokenizer
     model.generation_config = {"gen_length": args.gen_length, "trained_gen_length": args.gen_length,

@@ -1,11 +1,14 @@
-"""The on-policy training loop of ORL, and of its control.
+"""The on-policy training loop of ORL, of its control, and of the base's further training.
 
 Each iteration draws `prompts` training prompts, rolls the current model out under the rollout
 policy (`dlmrt.orl.rollout`), keeps the verified rows' states, and takes `updates` optimizer steps on
 minibatches of those states (`dlmrt.orl.objective`). The ORL run starts from the base checkpoint with
 the residual adapter added (its output layer at zero, so the model starts as exactly the base); the
-control runs the same loop on the base architecture. Everything random is seeded (prompt draws,
-minibatches, the adapter's initial weights), so a run is reproducible on the same machine.
+control runs the same loop on the base architecture. The third method, `further`, is the base trained
+on for the same number of updates with its own objective (`dlmrt.orl.supervised`), on fresh batches
+of training examples and no rollouts: what the same updates buy without on-policy data. Everything
+random is seeded (prompt draws, minibatches, the adapter's initial weights), so a run is
+reproducible on the same machine.
 
 After each iteration the model is saved with its training state (`training_state.safetensors` and
 `training_state.json`: optimizer, scheduler, random generators, history) in one atomic write, so an
@@ -35,6 +38,7 @@ from dlmrt.eval.evaluation import parse_setting
 from dlmrt.export import checkpoint, models
 from dlmrt.export.models import Denoiser
 from dlmrt.export.models import residual as residual_context
+from dlmrt.orl import supervised
 from dlmrt.orl.objective import orl_loss
 from dlmrt.orl.rollout import rollout
 from dlmrt.runtime import GenerationSettings
@@ -42,11 +46,13 @@ from dlmrt.runtime import GenerationSettings
 STATE_TENSORS = "training_state.safetensors"
 STATE_JSON = "training_state.json"
 STATE_FORMAT = 1
+METHODS = {"orl": "on-policy, with the residual pathway", "control": "on-policy, the base architecture",
+           "further": "the base's own objective, the base architecture"}
 
 
 @dataclass(frozen=True)
 class TrainingConfig:
-    residual: bool = True  # False: the control (base architecture, same loop)
+    method: str = "orl"  # a key of METHODS
     adapter: str = "mlp"
     adapter_hidden_size: int | None = None
     iterations: int = 30
@@ -65,8 +71,14 @@ class TrainingConfig:
     block_length: int = 8
     seed: int = 0
 
+    @property
+    def residual(self) -> bool:
+        return self.method == "orl"
+
     def check(self) -> None:
         """One clear error for a setting that cannot work, before anything is loaded."""
+        if self.method not in METHODS:
+            raise ArgumentError(f"method {self.method!r} is not one of {', '.join(METHODS)}")
         tasks.check_canvas(self.tasks, self.gen_length)
         if self.residual and self.adapter not in residual_context.ADAPTERS:
             raise ArgumentError(f"adapter {self.adapter!r} is not registered (registered: "
@@ -88,12 +100,12 @@ class TrainingConfig:
 @dataclass(frozen=True)
 class IterationRecord:
     iteration: int
-    rollout_exact_match: float  # of the prompts rolled out, before this iteration's updates
-    rollout_tpf: float
-    states: int  # verified states trained on
-    loss: float  # means over the iteration's updates
-    cross_entropy: float
-    contraction: float
+    rollout_exact_match: float | None  # of the prompts rolled out, before this iteration's updates (None: `further`)
+    rollout_tpf: float | None
+    states: int  # verified states trained on (`further`: training rows)
+    loss: float | None  # means over the iteration's updates; None where there was nothing to train on
+    cross_entropy: float | None  # (None, not NaN: the training state is strict JSON)
+    contraction: float | None
 
 
 def start_model(base: Path, config: TrainingConfig) -> Denoiser:
@@ -108,7 +120,7 @@ def start_model(base: Path, config: TrainingConfig) -> Denoiser:
     if not family.model_class.supports_residual_context:
         raise ArgumentError(f"{base}: the {family.model_type} family has no residual pathway, so ORL cannot "
                             f"train it (families with one: {', '.join(residual_families())}); train the "
-                            f"control (--control) or choose another base")
+                            f"control (--method control) or choose another base")
     raw = {**model.raw_config, "residual_context": {"adapter": config.adapter,
                                                     "adapter_hidden_size": config.adapter_hidden_size, "topk": 0}}
     orl = models.create(raw, tokens=model.tokens, seed=config.seed)
@@ -190,6 +202,8 @@ class Run:
         return self.history
 
     def _iteration(self, on_update: Callable[[], None] | None) -> IterationRecord:
+        if self.config.method == "further":
+            return self._supervised_iteration(on_update)
         config = self.config
         examples = [tasks.sample(self.prompt_rng.choice(config.tasks), "train", self.prompt_rng)
                     for _ in range(config.prompts)]
@@ -201,17 +215,37 @@ class Run:
             if len(states):
                 index = torch.randint(len(states), (config.batch_size,), generator=self.batch_generator)
                 loss = orl_loss(self.model, states.select(index), rho=config.rho, aec_weight=config.aec_weight)
-                self.optimizer.zero_grad(set_to_none=True)
-                loss.total.backward()
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-                self.optimizer.step()
+                self._step(loss.total)
                 for i, part in enumerate(loss):
                     sums[i] += part.item()
             self.scheduler.step()
             if on_update is not None:
                 on_update()
-        means = [s / config.updates for s in sums] if len(states) else [math.nan] * 3
+        means = [s / config.updates for s in sums] if len(states) else [None] * 3
         return IterationRecord(self.iteration, result.exact_match, result.tpf, len(states), *means)
+
+    def _supervised_iteration(self, on_update: Callable[[], None] | None) -> IterationRecord:
+        config = self.config
+        total = 0.0
+        self.model.train()
+        for _ in range(config.updates):
+            batch = supervised.masked_batch(self.prompt_rng, self.model.tokenizer, config.batch_size,
+                                            self.batch_generator, config.tasks, config.gen_length,
+                                            config.block_length)
+            loss = supervised.masked_loss(self.model, batch)
+            self._step(loss)
+            total += loss.item()
+            self.scheduler.step()
+            if on_update is not None:
+                on_update()
+        mean = total / config.updates
+        return IterationRecord(self.iteration, None, None, config.updates * config.batch_size, mean, mean, None)
+
+    def _step(self, loss: torch.Tensor) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.optimizer.step()
 
     def save(self, *, with_state: bool = True) -> None:
         """The model and (unless `with_state` is False) its training state, in one atomic write."""

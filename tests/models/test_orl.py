@@ -150,8 +150,10 @@ def test_two_runs_with_one_seed_give_the_same_checkpoint(tmp_path):
     assert hashes[0] != hashing.sha256_of(dlmrt.TINY_MODEL_DIR / "model.safetensors")
 
 
-def test_an_interrupted_run_keeps_its_last_iteration_and_resumes_to_the_same_model(tmp_path):
-    Run.start(dlmrt.TINY_MODEL_DIR, SMALL, tmp_path / "whole").train()
+@pytest.mark.parametrize("method", ["orl", "further"])
+def test_an_interrupted_run_keeps_its_last_iteration_and_resumes_to_the_same_model(tmp_path, method):
+    config = replace(SMALL, method=method)
+    Run.start(dlmrt.TINY_MODEL_DIR, config, tmp_path / "whole").train()
     updates = []
 
     def stop_in_the_second_iteration():
@@ -159,19 +161,28 @@ def test_an_interrupted_run_keeps_its_last_iteration_and_resumes_to_the_same_mod
         if len(updates) == SMALL.updates + 2:
             raise KeyboardInterrupt
 
-    run = Run.start(dlmrt.TINY_MODEL_DIR, SMALL, tmp_path / "stopped")
+    run = Run.start(dlmrt.TINY_MODEL_DIR, config, tmp_path / "stopped")
     with pytest.raises(KeyboardInterrupt):
         run.train(on_update=stop_in_the_second_iteration)
     saved = json.loads((tmp_path / "stopped" / trainer.STATE_JSON).read_text())
     assert len(saved["history"]) == 1
-    assert checkpoint.load(tmp_path / "stopped").residual_config is not None
-    Run.resume(tmp_path / "stopped", SMALL).train()
+    assert (checkpoint.load(tmp_path / "stopped").residual_config is not None) == (method == "orl")
+    Run.resume(tmp_path / "stopped", config).train()
     assert weights_hash(tmp_path / "stopped") == weights_hash(tmp_path / "whole")
+    assert weights_hash(tmp_path / "whole") != hashing.sha256_of(dlmrt.TINY_MODEL_DIR / "model.safetensors")
 
 
 def test_the_control_trains_the_base_architecture(tmp_path):
-    Run.start(dlmrt.TINY_MODEL_DIR, replace(SMALL, residual=False, iterations=1), tmp_path / "control").train()
+    Run.start(dlmrt.TINY_MODEL_DIR, replace(SMALL, method="control", iterations=1), tmp_path / "control").train()
     assert checkpoint.load(tmp_path / "control").residual_config is None
+
+
+def test_further_training_takes_the_base_objective_s_updates_without_rollouts(tmp_path, monkeypatch):
+    monkeypatch.setattr(trainer, "rollout", lambda *args, **kwargs: pytest.fail("further training rolled out"))
+    history = Run.start(dlmrt.TINY_MODEL_DIR, replace(SMALL, method="further"), tmp_path / "further").train()
+    assert [record.states for record in history] == [SMALL.updates * SMALL.batch_size] * SMALL.iterations
+    assert all(record.rollout_exact_match is None and record.loss > 0 for record in history)
+    assert checkpoint.load(tmp_path / "further").residual_config is None
 
 
 # -- bad input ----------------------------------------------------------------------------------
@@ -200,6 +211,7 @@ def test_an_orl_checkpoint_is_not_a_base(tmp_path):
     ({"tasks": ("rev", "psum")}, r"task 'psum' answers in up to 31 tokens, .* length of 32, got 16"),
     ({"policy": "greedy"}, r"unknown policy 'greedy'"),
     ({"updates": 0}, r"updates must be positive, got 0"),
+    ({"method": "sft"}, r"method 'sft' is not one of orl, control, further"),
 ])
 def test_bad_settings_are_refused_before_anything_loads(tmp_path, change, message):
     with pytest.raises(ArgumentError, match=message):

@@ -133,14 +133,14 @@ def test_train_tiny_refuses_a_canvas_that_cannot_fit_before_training(tmp_path, o
 
 
 def test_training_rows_fill_the_requested_canvas():
-    sys.path.insert(0, str(SCRIPTS))
     import torch
-    from train_tiny import make_batch
+
+    from dlmrt.orl.supervised import masked_batch
 
     tokenizer = tasks.build_tokenizer()
     generator = torch.Generator().manual_seed(0)
-    inputs, key_mask, targets, masked, width = make_batch(random.Random(0), tokenizer, 6, generator,
-                                                          ("psum", "mul"), gen_length=32, block_length=32)
+    inputs, key_mask, targets, masked, width = masked_batch(random.Random(0), tokenizer, 6, generator,
+                                                            ("psum", "mul"), gen_length=32, block_length=32)
     assert targets.shape == masked.shape == (6, 32) and inputs.shape == (6, width + 32)
     for row in range(6):
         prompt = tokenizer.decode(inputs[row, :width][key_mask[row, :width]].tolist())
