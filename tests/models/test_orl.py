@@ -272,13 +272,81 @@ def test_tpf_at_matched_exact_match_by_hand():
             scored("threshold:threshold=0.5", 0.70, 5.0)]
     orl = [scored("fixed:steps=16", 0.91, 1.0), scored("threshold:threshold=0.9", 0.90, 3.0),
            scored("threshold:threshold=0.5", 0.895, 4.5)]
-    levels = comparison.targets(base)
+    levels = comparison.targets([base])
     assert levels == pytest.approx([0.90, 0.89])
-    points = {(p.model, round(p.target, 2)): p for p in comparison.matched({"base": base, "orl": orl}, levels)}
-    assert (points["base", 0.9].tpf, points["base", 0.9].setting) == (1.0, "fixed:steps=16")
-    assert (points["orl", 0.9].tpf, points["orl", 0.9].setting) == (3.0, "threshold:threshold=0.9")
-    assert points["base", 0.89].tpf == 2.0 and points["orl", 0.89].tpf == 4.5
+    points = {(p.model, round(p.target, 2)): p for p in comparison.matched({"base": [base], "orl": [orl]}, levels)}
+    assert (points["base", 0.9].tpfs, points["base", 0.9].settings) == ((1.0,), ("fixed:steps=16",))
+    assert (points["orl", 0.9].tpfs, points["orl", 0.9].settings) == ((3.0,), ("threshold:threshold=0.9",))
+    assert points["base", 0.89].tpfs == (2.0,) and points["orl", 0.89].tpfs == (4.5,)
     assert comparison.fastest_at(base, 0.95) is None
+
+
+def curve(*points: tuple[float, float]):
+    """A seed's curve over a two-setting grid, from (exact-match, TPF) pairs."""
+    return [scored(label, em, tpf) for label, (em, tpf) in zip(("threshold:threshold=0.9", "factor:factor=2"),
+                                                                  points)]
+
+
+def test_targets_come_from_the_reference_s_seeds_setting_by_setting():
+    from dlmrt.orl import comparison
+
+    # Setting 1's mean is 0.90 and setting 2's 0.85: the best single seed's 0.95 is not a target.
+    seeds = [curve((0.95, 1.0), (0.80, 3.0)), curve((0.85, 1.0), (0.90, 3.0))]
+    assert comparison.targets(seeds, (0.01, 0.03)) == pytest.approx([0.89, 0.87])
+
+
+def test_a_gain_over_seeds_counts_only_where_the_ranges_do_not_overlap():
+    from dlmrt.orl import comparison
+
+    orl = [curve((0.9, 1.0), (0.9, tpf)) for tpf in (3.0, 4.0, 5.0)]
+    control = [curve((0.9, 1.0), (0.9, 2.0)), curve((0.9, 1.0), (0.9, 2.5)), curve((0.9, 1.0), (0.8, 9.0))]
+    close = [curve((0.9, 1.0), (0.9, tpf)) for tpf in (2.0, 3.5, 3.0)]
+    points = {p.model: p for p in comparison.matched({"orl": orl, "control": control, "close": close}, [0.9])}
+    assert points["orl"].mean == pytest.approx(4.0) and (points["orl"].low, points["orl"].high) == (3.0, 5.0)
+    # The control's third seed reaches 0.9 only with its slow setting.
+    assert points["control"].tpfs == (2.0, 2.5, 1.0) and points["control"].high == 2.5
+    assert points["orl"].beats(points["control"]) and not points["control"].beats(points["orl"])
+    assert not points["orl"].beats(points["close"]) and not points["close"].beats(points["orl"])
+    unreached = comparison.matched({"x": [curve((0.5, 1.0), (0.5, 2.0)), curve((0.9, 1.0), (0.9, 6.0))]}, [0.9])[0]
+    assert unreached.tpfs == (None, 6.0) and unreached.mean == 6.0 and unreached.low == 0.0
+    assert not unreached.beats(points["control"])
+
+
+def test_the_rules_split_the_grid_by_what_confident_means():
+    from dlmrt.orl import comparison
+
+    results = [scored("fixed:steps=16", 0.9, 1.0), scored("threshold:threshold=0.9", 0.9, 2.0),
+               scored("threshold:threshold=0.9,confidence=entropy", 0.9, 3.0),
+               scored("threshold:threshold=0.5", 0.8, 4.0)]
+    split = comparison.by_rule({"orl": [results]})
+    assert list(split) == ["fixed (prob)", "threshold (prob)", "threshold (entropy)"]
+    assert [r.setting.label for r in split["threshold (prob)"]["orl"][0]] == ["threshold:threshold=0.9",
+                                                                              "threshold:threshold=0.5"]
+
+
+def test_the_evaluation_can_fail_a_zeroed_residual_scores_as_the_control():
+    """The comparison finds no gain in a residual pathway that does nothing (the base with a zeroed
+    adapter, against the base), and finds the shipped ORL model's gain, on the same prompts."""
+    from dlmrt.eval.evaluation import evaluate_grid, parse_setting
+    from dlmrt.orl import comparison
+
+    zeroed = trainer.start_model(dlmrt.TINY_MODEL_DIR, TrainingConfig())
+    assert zeroed.residual_config is not None
+    assert all(not p.any() for p in zeroed.residual_adapter().output_layer().parameters())
+    models = {"control": dlmrt.load(), "zeroed residual": zeroed, "orl": dlmrt.load(dlmrt.TINY_ORL_MODEL_DIR)}
+    grid = [parse_setting(s) for s in ("fixed:steps=16", "threshold:threshold=0.9", "threshold:threshold=0.7",
+                                       "threshold:threshold=0.5", "factor:factor=4", "fixed:steps=2")]
+    examples = tasks.examples("test", 25, seed=1234)
+    settings = GenerationSettings(gen_length=16, block_length=8, policy=Fixed())
+    curves = {name: [evaluate_grid(model, examples, settings, grid, mode="eager")] for name, model in models.items()}
+    assert [r.score.per_task for r in curves["zeroed residual"][0]] == [r.score.per_task for r in curves["control"][0]]
+    points = comparison.matched(curves, comparison.targets(curves["control"], (0.0, 0.01, 0.03)))
+    for target in dict.fromkeys(p.target for p in points):
+        row = {p.model: p for p in points if p.target == target}
+        assert row["zeroed residual"].tpfs == row["control"].tpfs
+        assert not row["zeroed residual"].beats(row["control"])
+    assert any(p.beats(q) for p in points if p.model == "orl" for q in points
+               if q.model == "control" and q.target == p.target)
 
 
 def test_the_comparison_plot_is_a_png(tmp_path):
