@@ -374,6 +374,23 @@ def test_the_script_prints_one_line_for_bad_input(tmp_path, options, message):
     assert "Traceback" not in result.stdout + result.stderr and not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("options, message", [
+    (["--model", "base"], "--model takes NAME=DIR"),
+    (["--model", f"base={dlmrt.TINY_MODEL_DIR}", "--tasks", "psum"], "task 'psum' answers in up to 31 tokens"),
+    (["--model", f"base={dlmrt.TINY_MODEL_DIR}", "--tasks", "psum", "--gen-length", "32", "--block-length", "32"],
+     "more than the model's context of 64"),
+    (["--model", f"base={dlmrt.TINY_MODEL_DIR}", "--setting", "greedy"], "unknown policy 'greedy'"),
+])
+def test_the_curves_script_prints_one_line_for_bad_input(options, message):
+    import subprocess
+    import sys
+
+    script = Path(__file__).parents[2] / "scripts" / "orl_curves.py"
+    result = subprocess.run([sys.executable, str(script), *options], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and message in result.stdout.replace("\n", " ")
+    assert "Traceback" not in result.stdout + result.stderr
+
+
 @pytest.mark.parametrize("output, right", [("bbb", True), ("aaa", True), ("ccc", True), ("abc", False),
                                            ("zzz", False), ("aa", False), ("aaaa", False), ("", False),
                                            (None, False)])
