@@ -37,6 +37,7 @@ from dlmrt.orl.trainer import METHODS, Run, TrainingConfig, weights_sha256
 from dlmrt.runtime import Fixed
 
 HELD_OUT_SEED = 1234
+OPTIONAL_KINDS = {"adapter_hidden_size": int, "adapter_lr": float}  # the options whose default is None
 
 
 def parse_args() -> argparse.Namespace:
@@ -53,7 +54,7 @@ def parse_args() -> argparse.Namespace:
     for f in fields(TrainingConfig):
         if f.name in ("method", "tasks"):
             continue
-        kind = type(getattr(defaults, f.name)) if getattr(defaults, f.name) is not None else int
+        kind = type(getattr(defaults, f.name)) if getattr(defaults, f.name) is not None else OPTIONAL_KINDS[f.name]
         parser.add_argument(f"--{f.name.replace('_', '-')}", type=kind, default=getattr(defaults, f.name))
     return parser.parse_args()
 

@@ -61,6 +61,7 @@ class TrainingConfig:
     batch_size: int = 128  # states per optimizer step
     rollout_batch: int = 128
     lr: float = 3e-4
+    adapter_lr: float | None = None  # ORL only: the residual adapter's own rate (None: `lr`)
     warmup: int = 100  # optimizer steps
     weight_decay: float = 0.0
     rho: float = 0.25
@@ -87,6 +88,9 @@ class TrainingConfig:
                      "block_length"):
             if getattr(self, name) <= 0:
                 raise ArgumentError(f"{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.adapter_lr is not None and not (self.residual and self.adapter_lr > 0):
+            raise ArgumentError(f"adapter-lr is the residual adapter's learning rate: it must be positive and "
+                                f"needs --method orl; got {self.adapter_lr} with method {self.method}")
         if not self.lr > 0 or not 0 <= self.rho < 1 or not self.aec_weight >= 0:
             raise ArgumentError(f"need lr > 0, 0 <= rho < 1 and aec-weight >= 0; got lr {self.lr}, rho {self.rho}, "
                                 f"aec-weight {self.aec_weight}")
@@ -141,7 +145,7 @@ class Run:
         self.model, self.config, self.out = model, config, out
         self.base_sha256 = base_sha256  # of the base checkpoint's weights, for the report
         model.requires_grad_(True)
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.98),
+        self.optimizer = torch.optim.AdamW(_parameter_groups(model, config), lr=config.lr, betas=(0.9, 0.98),
                                            weight_decay=config.weight_decay)
         total = config.iterations * config.updates
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: _lr_scale(step, config.warmup,
@@ -263,6 +267,16 @@ class Run:
         was_training = self.model.training
         checkpoint.save(self.model.eval(), self.out, extra_files=files)
         self.model.train(was_training)
+
+
+def _parameter_groups(model: Denoiser, config: TrainingConfig) -> list[dict[str, Any]]:
+    """One group at `lr`, and with `adapter_lr` the adapter's weights in a group of their own: the
+    adapter starts at zero, and a rate that keeps the base's quality may leave it there."""
+    if config.adapter_lr is None:
+        return [{"params": list(model.parameters())}]
+    adapter = {id(p) for p in model.residual_adapter().parameters()}
+    return [{"params": [p for p in model.parameters() if id(p) not in adapter]},
+            {"params": list(model.residual_adapter().parameters()), "lr": config.adapter_lr}]
 
 
 def weights_sha256(root: Path) -> str:

@@ -172,6 +172,15 @@ def test_an_interrupted_run_keeps_its_last_iteration_and_resumes_to_the_same_mod
     assert weights_hash(tmp_path / "whole") != hashing.sha256_of(dlmrt.TINY_MODEL_DIR / "model.safetensors")
 
 
+def test_the_adapter_can_learn_at_its_own_rate(tmp_path):
+    slow = Run.start(dlmrt.TINY_MODEL_DIR, replace(SMALL, iterations=1, lr=1e-6), tmp_path / "slow")
+    fast = Run.start(dlmrt.TINY_MODEL_DIR, replace(SMALL, iterations=1, lr=1e-6, adapter_lr=1e-2), tmp_path / "fast")
+    assert [group["lr"] for group in fast.optimizer.param_groups] == pytest.approx([1e-6 / 100, 1e-2 / 100])  # warm-up
+    slow.train(), fast.train()
+    grown = [run.model.residual_adapter().output_layer().weight.abs().max().item() for run in (slow, fast)]
+    assert grown[1] > 100 * grown[0] > 0
+
+
 def test_the_control_trains_the_base_architecture(tmp_path):
     Run.start(dlmrt.TINY_MODEL_DIR, replace(SMALL, method="control", iterations=1), tmp_path / "control").train()
     assert checkpoint.load(tmp_path / "control").residual_config is None
@@ -212,6 +221,7 @@ def test_an_orl_checkpoint_is_not_a_base(tmp_path):
     ({"policy": "greedy"}, r"unknown policy 'greedy'"),
     ({"updates": 0}, r"updates must be positive, got 0"),
     ({"method": "sft"}, r"method 'sft' is not one of orl, control, further"),
+    ({"method": "control", "adapter_lr": 1e-3}, r"adapter-lr .* needs --method orl; got 0.001 with method control"),
 ])
 def test_bad_settings_are_refused_before_anything_loads(tmp_path, change, message):
     with pytest.raises(ArgumentError, match=message):
