@@ -20,7 +20,6 @@ the ranges do not overlap. The rules table repeats the comparison within each co
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import sys
 from pathlib import Path
@@ -216,12 +215,7 @@ def write_band_plot(curves, path: Path, title: str) -> None:
     """Exact-match against TPF: for each model, the fastest TPF reached at each exact-match level (its
     matched-quality frontier), the mean over seeds as a line and the seeds' range as a band; each
     setting's mean over seeds as a dot."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    figure = Figure(figsize=(8, 5.5), dpi=120)
-    FigureCanvasAgg(figure)
-    axes = figure.add_subplot()
+    figure, axes = evaluation.new_figure()
     every = sorted({r.score.mean for seeds in curves.values() for curve in seeds for r in curve})
     levels = [every[0] + (every[-1] - every[0]) * step / 200 for step in range(201)]
     for index, (name, seeds) in enumerate(curves.items()):
@@ -233,14 +227,8 @@ def write_band_plot(curves, path: Path, title: str) -> None:
                      [100 * em for em in comparison.mean_exact_match(seeds)], color=f"C{index}", s=12, alpha=0.6)
         axes.fill_betweenx(ys, [p.low for _, p in rows], [p.high for _, p in rows], color=f"C{index}", alpha=0.2,
                            linewidth=0)
-    axes.set_xlabel("tokens per forward (TPF), fastest setting at each exact-match")
-    axes.set_ylabel("exact-match, mean over tasks (%)")
-    axes.set_title(title)
-    axes.grid(True, alpha=0.3)
-    axes.legend(loc="lower left", fontsize=8)
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format="png", bbox_inches="tight")
-    atomic.write_bytes(path, buffer.getvalue())
+    evaluation.save_figure(figure, axes, title, path,
+                           xlabel="tokens per forward (TPF), fastest setting at each exact-match")
 
 
 if __name__ == "__main__":

@@ -262,7 +262,7 @@ def require_matplotlib() -> None:
 
 def write_plot(results: Sequence[SettingScore], path: str | Path, title: str) -> None:
     """Mean exact-match (%) against tokens per forward, one line per policy, written as a PNG."""
-    figure, axes = _figure()
+    figure, axes = new_figure()
     by_policy: dict[str, list[SettingScore]] = defaultdict(list)
     for result in results:
         by_policy[result.setting.policy.name].append(result)
@@ -275,13 +275,13 @@ def write_plot(results: Sequence[SettingScore], path: str | Path, title: str) ->
         axes.annotate(result.setting.label, (result.score.metrics.tpf, 100 * result.score.mean),
                       textcoords="offset points", xytext=(4, 4 + LABEL_STEP_PT * level), fontsize=7,
                       arrowprops=leader)
-    _finish(figure, axes, title, path)
+    save_figure(figure, axes, title, path)
 
 
 def write_comparison_plot(curves: Mapping[str, Sequence[SettingScore]], path: str | Path, title: str) -> None:
     """The speed-quality curves of several models over one grid, as a PNG: for each model, a line
     through each policy's settings (solid for the threshold rule, dashed for factor, dotted for fixed)."""
-    figure, axes = _figure()
+    figure, axes = new_figure()
     styles = {"threshold": "-", "residual": "-", "factor": "--", "fixed": ":"}
     markers = {"threshold": "o", "residual": "o", "factor": "s", "fixed": "^"}
     for index, (model, results) in enumerate(curves.items()):
@@ -294,10 +294,10 @@ def write_comparison_plot(curves: Mapping[str, Sequence[SettingScore]], path: st
                   marker=markers.get(policy, "x"))
     lowest = min(100 * r.score.mean for results in curves.values() for r in results)
     axes.set_ylim(max(0.0, lowest - 5), 101)
-    _finish(figure, axes, title, path)
+    save_figure(figure, axes, title, path)
 
 
-def _figure():
+def new_figure():
     require_matplotlib()
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -312,8 +312,9 @@ def _line(axes, points: Sequence[SettingScore], **style) -> None:
     axes.plot([r.score.metrics.tpf for r in points], [100 * r.score.mean for r in points], **style)
 
 
-def _finish(figure, axes, title: str, path: str | Path) -> None:
-    axes.set_xlabel("tokens per forward (TPF)")
+def save_figure(figure, axes, title: str, path: str | Path, xlabel: str = "tokens per forward (TPF)") -> None:
+    """Label, title and grid the axes, and write the figure as a PNG, atomically."""
+    axes.set_xlabel(xlabel)
     axes.set_ylabel("exact-match, mean over tasks (%)")
     axes.set_title(title)
     axes.grid(True, alpha=0.3)

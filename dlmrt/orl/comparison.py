@@ -82,8 +82,7 @@ def matched(curves: Mapping[str, Sequence[Curve]], target_levels: Sequence[float
 def rule_of(result: SettingScore) -> str:
     """The commit rule a setting belongs to: its policy, and for a confidence rule what 'confident' means."""
     policy = result.setting.policy
-    confidence = getattr(policy, "confidence", None)
-    return policy.name if confidence is None else f"{policy.name} ({confidence})"
+    return f"{policy.name} ({policy.confidence})"
 
 
 def by_rule(curves: Mapping[str, Sequence[Curve]]) -> dict[str, dict[str, list[Curve]]]:
