@@ -204,11 +204,14 @@ def _check_weights(root: Path, expected: Mapping[str, tuple[int, ...]], files: M
         raise CheckpointError(f"{root}: the weights do not match config.json:\n  - {shown}{more}")
 
 
-def load(path: str | os.PathLike, *, dtype: str | torch.dtype = "float32", device: str = "cpu",
-         mask_id: int | None = None, eos_id: int | Iterable[int] | None = None,
-         pad_id: int | None = None) -> Denoiser:
-    """Load the denoiser of a Hugging Face model directory, ready for inference."""
-    root = Path(path)
+def structure(path: str | os.PathLike, *, dtype: str | torch.dtype = "float32") -> Denoiser:
+    """The module tree of a Hugging Face model directory on the meta device, config and special tokens
+    checked, without reading a weight: what a check of its shapes needs (a parallel plan, before any
+    rank starts)."""
+    return _structure(Path(path), dtype, "cpu", None, None, None)[0]
+
+
+def _structure(root: Path, dtype, device: str, mask_id, eos_id, pad_id):
     raw = read_config(root)
     source = str(root / "config.json")
     family = models.family_of(raw, source)
@@ -218,6 +221,17 @@ def load(path: str | os.PathLike, *, dtype: str | torch.dtype = "float32", devic
     tokens, origins = resolve_special_tokens(root, raw, generation, tokenizer, mask_id, eos_id, pad_id,
                                              needs_mask=family.model_class.noise == "mask")
     model = models.build(raw, source, tokens, dtype=torch_dtype, device=device, token_origins=origins)
+    model.name = root.resolve().name
+    return model, tokenizer, generation, torch_dtype
+
+
+def load(path: str | os.PathLike, *, dtype: str | torch.dtype = "float32", device: str = "cpu",
+         mask_id: int | None = None, eos_id: int | Iterable[int] | None = None,
+         pad_id: int | None = None) -> Denoiser:
+    """Load the denoiser of a Hugging Face model directory, ready for inference."""
+    root = Path(path)
+    model, tokenizer, generation, torch_dtype = _structure(root, dtype, device, mask_id, eos_id, pad_id)
+    family = models.family_of(model.raw_config, str(root / "config.json"))
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     files = tensor_files(root)
     ignored = {name for name in files if name.startswith(model.ignored_tensor_prefixes)}
@@ -226,7 +240,7 @@ def load(path: str | os.PathLike, *, dtype: str | torch.dtype = "float32", devic
         warnings.warn(f"{root}: {len(ignored)} tensors of parts dlmrt does not run are not loaded (under "
                       f"{', '.join(parts)}): the {family.model_type} family runs text only", stacklevel=2)
         files = {name: path for name, path in files.items() if name not in ignored}
-    _check_weights(root, expected, files, raw["model_type"])
+    _check_weights(root, expected, files, family.model_type)
 
     state = {}
     for shard in sorted(set(files.values())):

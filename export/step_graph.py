@@ -94,6 +94,9 @@ class StepGraph(nn.Module):
         self.return_kv, self.sampling, self.confidence, self.editing = return_kv, sampling, confidence, editing
         self.return_logits = return_logits
         check_unmask(unmask)
+        if model.vocab_shard is not None and (return_logits or unmask != "torch"):
+            raise ArgumentError("a tensor-parallel step holds a vocabulary slice of the logits: it returns no "
+                                "logits (logprobs) and unmasks with its own torch code (unmask='torch')")
         self.triton_kernels = None
         if unmask == "triton":
             from dlmrt.plugins.parallel_unmask import triton_kernels
@@ -134,6 +137,10 @@ class StepGraph(nn.Module):
         if exporting:
             unmasked = torch.ops.dlmrt.parallel_unmask(logits, block_ids, block_positions, *params, measure, *edits,
                                                        mask_id)
+        elif self.model.vocab_shard is not None:  # tensor parallelism: this rank's logits are a vocabulary slice
+            unmasked = self.model.vocab_shard.unmask(logits, block_ids, block_positions, params, mask_id=mask_id,
+                                                     confidence=self.confidence or measure, sampling=self.sampling,
+                                                     edits=edits)
         elif self.triton_kernels is not None:
             unmasked = self.triton_kernels.parallel_unmask(logits, block_ids, block_positions, params, mask_id, measure,
                                                            edits=edits)

@@ -36,9 +36,10 @@ def resolve_device(backend: str, device: str) -> str:
 
 
 def open_backend(backend: str, model_dir: Path | None, *, dtype: str, mode: str, max_batch: int,
-                 device: str, engines: Path | None, precision: str | None, console):
+                 device: str, engines: Path | None, precision: str | None, console, parallel=None):
     """(model, backend) for --backend: the model is what text in and out needs (a Denoiser, or an
-    export's ExportedModel); the backend is None for the reference loop, which runs the model itself."""
+    export's ExportedModel); the backend is None for the reference loop, which runs the model itself.
+    `parallel`: on a rank of a parallel run, its (ParallelPlan, Ranks): the model is cut into its part."""
     if backend != "torch" and mode != "auto":
         raise click.UsageError(f"--mode applies to --backend torch; --backend {backend} runs its own way")
     if backend != "trt" and (engines is not None or precision is not None):
@@ -71,6 +72,9 @@ def open_backend(backend: str, model_dir: Path | None, *, dtype: str, mode: str,
     from dlmrt.runtime.torch_backend import TorchBackend
 
     model = dlmrt.load(model_dir or TINY_MODEL_DIR, dtype=dtype, device=device)
+    if parallel is not None:
+        plan, ranks = parallel
+        plan.apply(model, ranks)
     return model, (TorchBackend(model, mode=mode, max_batch=max_batch) if backend == "torch" else None)
 
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -199,15 +202,61 @@ def backend_options(command):
 @click.option("--stream", is_flag=True, help="Print committed text block by block as it is decoded.")
 @click.option("--metrics", "show_metrics", is_flag=True, help="Print a metrics table on stderr.")
 @click.option("--json", "as_json", is_flag=True, help="Print outputs and metrics as JSON.")
+@click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Tensor parallelism: split every layer, and the vocabulary, over this many ranks (processes: gloo "
+                   "on a CPU, NCCL on GPUs). dlmrt starts them, or joins torchrun's (docs/parallelism.md).")
+@click.option("--ep", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Expert parallelism (MoE families): split the experts over this many ranks; with --tp above 1, "
+                   "equal to it.")
 @reports_errors
 def generate(model_dir, prompts, prompt_ids, ignore_eos, backend, mode, max_batch, device, engines, precision,
-             stream, show_metrics, as_json, dtype, **decoding):
+             stream, show_metrics, as_json, dtype, tp, ep, **decoding):
     """Generate from prompts with a decoding policy and cache mode."""
     if prompts and prompt_ids:
         raise click.UsageError("give either --prompt or --prompt-ids, not both")
     if not prompts and not prompt_ids:
         raise click.UsageError("give at least one --prompt or --prompt-ids")
     id_prompts = [parse_ids(value) for value in prompt_ids]
+    run = functools.partial(_generate, model_dir, prompts, id_prompts, ignore_eos, backend, mode, max_batch, device,
+                            engines, precision, stream, show_metrics, as_json, dtype, decoding)
+    from dlmrt.parallel.plan import ParallelPlan
+
+    plan = ParallelPlan(tp, ep)
+    if not plan.parallel:
+        return run(None)
+    from dlmrt.parallel import launch
+
+    plan.check_backend(backend)
+    if not launch.launched_by_torchrun():
+        from dlmrt.export.checkpoint import structure
+
+        plan.check(structure(model_dir or TINY_MODEL_DIR, dtype=dtype))
+        launch.run_ranks(_generate_on_rank, plan.world, (plan, run), device=_rank_device(backend, device))
+        return None
+    launch.require_torchrun_world(plan.world, "--tp/--ep")
+    from dlmrt.export.checkpoint import structure
+
+    plan.check(structure(model_dir or TINY_MODEL_DIR, dtype=dtype))
+    return launch.run_as_launched_rank(_generate_on_rank, (plan, run), device=_rank_device(backend, device))
+
+
+def _rank_device(backend: str, device: str) -> str:
+    from dlmrt.cli.backends import resolve_device
+
+    return resolve_device(backend, device)
+
+
+def _generate_on_rank(ranks, plan, run):
+    """`dlmrt generate` on one rank: rank 0 alone prints, streams and reports."""
+    if ranks.rank == 0:
+        return run((plan, ranks))
+    with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
+        return run((plan, ranks))
+
+
+def _generate(model_dir, prompts, id_prompts, ignore_eos, backend, mode, max_batch, device, engines, precision, stream,
+              show_metrics, as_json, dtype, decoding, parallel):
+    """The body of `dlmrt generate`, on one process or on each rank of `parallel` (a plan and its Ranks)."""
     from rich.console import Console
 
     from dlmrt.runtime import Generator, reference, text
@@ -216,7 +265,8 @@ def generate(model_dir, prompts, prompt_ids, ignore_eos, backend, mode, max_batc
 
     console = Console(stderr=True)
     model, backend_impl = open_backend(backend, model_dir, dtype=dtype, mode=mode, max_batch=max_batch,
-                                       device=device, engines=engines, precision=precision, console=console)
+                                       device=device, engines=engines, precision=precision, console=console,
+                                       parallel=parallel)
     settings = settings_with_defaults(model, ignore_eos=ignore_eos, **decoding)
     for number, prompt in enumerate(prompts, start=1):
         text.require_utf8(prompt, f"--prompt {number}" if len(prompts) > 1 else "--prompt")

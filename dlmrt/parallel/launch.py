@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import re
 import signal
 import socket
@@ -23,7 +24,9 @@ from typing import Any
 
 from dlmrt.core.errors import DlmrtError
 
-DEFAULT_TIMEOUT = timedelta(seconds=30)
+# How long a collective waits for the other ranks: past it, its rank fails and the run ends. A rank's first
+# collective waits out the others' model loads and compiles, hence minutes, as NCCL's own default.
+DEFAULT_TIMEOUT = timedelta(minutes=5)
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -33,6 +36,14 @@ class RankFailure(DlmrtError):
 
 def launched_by_torchrun() -> bool:
     return all(name in os.environ for name in TORCHRUN_VARIABLES)
+
+
+def require_torchrun_world(world: int, flags: str) -> None:
+    """Under torchrun, its WORLD_SIZE must be the world the flags ask for."""
+    launched = int(os.environ["WORLD_SIZE"])
+    if launched != world:
+        raise DlmrtError(f"torchrun started {launched} ranks, but {flags} ask for {world}: run torchrun with "
+                         f"--nproc-per-node {world}, or change the flags")
 
 
 def free_port() -> int:
@@ -66,7 +77,8 @@ def _rank_main(rank: int, job: Callable, args: tuple, world: int, device: str, t
 
     try:
         ranks = init_rank(rank, world, device, timeout)
-        results.put((rank, "result", job(ranks, *args)))
+        # pickled here, so that tensors travel by value rather than as shared memory of an exiting process
+        results.put((rank, "result", pickle.dumps(job(ranks, *args))))
     except BaseException as error:  # reported to the launcher, which ends every rank
         results.put((rank, "error", describe(error, timeout)))
         raise SystemExit(1) from None
@@ -80,6 +92,8 @@ def describe(error: BaseException, timeout: timedelta) -> str:
     else by its type and the last line of its message (gloo prefixes the C++ source location)."""
     if isinstance(error, DlmrtError):
         return str(error)
+    if hasattr(error, "format_message"):  # a click usage error
+        return error.format_message()
     lines = str(error).strip().splitlines() or [""]
     message = re.sub(r"^\[[^\]]*\] ", "", lines[-1])
     if "timed out" in message.lower() or "timeout" in message.lower():
@@ -125,7 +139,10 @@ def run_ranks(job: Callable, world: int, args: tuple = (), *, device: str = "cpu
     def drain() -> None:
         while not results.empty():
             rank, kind, value = results.get()
-            (received if kind == "result" else reported)[rank] = value
+            if kind == "result":
+                received[rank] = pickle.loads(value)
+            else:
+                reported[rank] = value
 
     try:
         while True:

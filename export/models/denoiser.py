@@ -86,6 +86,9 @@ class Denoiser(nn.Module, ABC):
     # Checkpoint tensors under these prefixes belong to parts dlmrt does not run (an image tower):
     # the loader skips them, with a note, rather than calling them unexpected.
     ignored_tensor_prefixes: ClassVar[tuple[str, ...]] = ()
+    # A tensor-parallel rank's slice of the vocabulary (`dlmrt.parallel.tensor_parallel.VocabShard`): its
+    # head's logits cover only that slice. None: the whole vocabulary.
+    vocab_shard = None
 
     def __init__(self, config: Any, residual_config: ResidualConfig | None, tokens: SpecialTokens | None):
         super().__init__()
@@ -194,6 +197,9 @@ class Denoiser(nn.Module, ABC):
         if self.residual_config is None:
             return DenoiserOutput(self.head(wanted(x)), kv, None)
         logits = self.head(x)
-        next_residual = residual_context.next_residual(
-            logits, self.input_embedding().weight, self.residual_config.topk)
+        if self.vocab_shard is not None:
+            next_residual = self.vocab_shard.residual(logits, self.input_embedding().weight)
+        else:
+            next_residual = residual_context.next_residual(
+                logits, self.input_embedding().weight, self.residual_config.topk)
         return DenoiserOutput(wanted(logits), kv, next_residual)

@@ -53,10 +53,13 @@ class PreNormLayer(nn.Module):
 
 
 def output_logits(hidden: Tensor, norm: nn.Module, embedding: nn.Embedding, lm_head: nn.Module | None) -> Tensor:
-    """The final norm, then `lm_head`, or the input embedding's weight when the two are tied (`lm_head` None)."""
+    """The final norm, then `lm_head`, or the input embedding's weight when the two are tied (`lm_head` None).
+    A vocabulary-parallel rank's tied head reads only its rows of the embedding (`head_rows`, set by
+    `dlmrt.parallel.tensor_parallel`)."""
     hidden = norm(hidden)
     if lm_head is None:
-        return F.linear(hidden, embedding.weight)
+        rows = getattr(embedding, "head_rows", None)
+        return F.linear(hidden, embedding.weight if rows is None else embedding.weight[rows])
     return lm_head(hidden)
 
 

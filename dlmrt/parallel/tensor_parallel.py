@@ -1,0 +1,274 @@
+"""Tensor parallelism: a loaded denoiser cut, in place, into the part one rank runs.
+
+    check_tensor_split(model, tp)        # before any rank starts: one clear error if tp does not fit
+    shard_model(model, ranks)            # in each rank, after loading
+
+Megatron's split, as the field's engines do it (SGLang's `llada2`, vLLM):
+
+- attention: the query heads are split over the ranks, and with them the K/V heads, so each rank
+  computes, and caches, its heads' K/V only. With fewer K/V heads than ranks, a K/V head is
+  replicated on the ranks whose query heads read it. The output projection is row-parallel: each
+  rank multiplies its heads' part, then one all-reduce sums them.
+- MLP: gate and up projections column-parallel, the down projection row-parallel: one all-reduce.
+  A MoE's experts are cut the same way, each without a collective of its own: the routed sum and
+  the shared experts then take one all-reduce for the whole MoE (`AllReduced`).
+- LM head: vocabulary-parallel. Each rank's head computes logits for its contiguous vocabulary slice
+  only (`VocabShard`), and the unmasking step and the ORL residual reduce that slice to a few numbers
+  per position (`dlmrt.parallel.vocab`); no rank ever holds `[B, W, V]` logits. The input embedding
+  stays whole on every rank (a lookup needs no collective; a tied head reads a view of its rows).
+
+Routers, norms and the embedding are replicated. After the split every rank holds the same hidden
+states after each all-reduce, so every rank takes the same decisions in the step loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from dlmrt.core.errors import ArgumentError
+from dlmrt.export.models import Denoiser
+from dlmrt.export.models import layers, llada, llada2_moe, qwen
+from dlmrt.parallel.ranks import Ranks
+
+
+class RowParallelLinear(nn.Module):
+    """A linear layer whose input features are split over the ranks: each rank's partial product, summed
+    by one all-reduce, then the bias once."""
+
+    def __init__(self, linear: nn.Linear, columns: slice, ranks: Ranks):
+        super().__init__()
+        self.linear = nn.Linear(columns.stop - columns.start, linear.out_features, bias=False,
+                                device=linear.weight.device, dtype=linear.weight.dtype)
+        self.linear.weight = nn.Parameter(linear.weight.detach()[:, columns].clone(), requires_grad=False)
+        self.bias = linear.bias
+        self.ranks = ranks
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.ranks.all_reduce(self.linear(x))
+        return out if self.bias is None else out + self.bias
+
+
+class AllReduced(nn.Module):
+    """A module whose output is a partial sum on each rank (a MoE with split experts), summed once."""
+
+    def __init__(self, module: nn.Module, ranks: Ranks):
+        super().__init__()
+        self.module, self.ranks = module, ranks
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.ranks.all_reduce(self.module(x))
+
+
+@dataclass(frozen=True)
+class HeadSplit:
+    """The query and K/V heads one rank keeps."""
+
+    query: range
+    kv: range
+
+    def rows(self, heads: range, head_dim: int) -> slice:
+        return slice(heads.start * head_dim, heads.stop * head_dim)
+
+
+def split_heads(query_heads: int, kv_heads: int, world: int, rank: int) -> HeadSplit:
+    """Rank `rank`'s heads; K/V heads are replicated when there are fewer than ranks (GQA)."""
+    local = query_heads // world
+    query = range(rank * local, (rank + 1) * local)
+    if kv_heads % world == 0:
+        part = kv_heads // world
+        return HeadSplit(query, range(rank * part, (rank + 1) * part))
+    group = query_heads // kv_heads  # query heads per K/V head; whole multiples of `local` here
+    return HeadSplit(query, range(query.start // group, query.start // group + 1))
+
+
+def vocab_split(vocab_size: int, world: int, rank: int) -> slice:
+    """Rank `rank`'s contiguous vocabulary slice: sizes differ by at most one, the larger first."""
+    base, extra = divmod(vocab_size, world)
+    start = rank * base + min(rank, extra)
+    return slice(start, start + base + (1 if rank < extra else 0))
+
+
+@dataclass
+class VocabShard:
+    """A vocabulary-parallel head's slice on this rank: what the step and the residual need to finish
+    over the whole vocabulary."""
+
+    rows: slice
+    vocab_size: int
+    ranks: Ranks
+
+    def unmask(self, logits: Tensor, ids: Tensor, positions: Tensor, params, **options):
+        from dlmrt.parallel.vocab import vocab_parallel_unmask
+
+        return vocab_parallel_unmask(logits, ids, positions, params, offset=self.rows.start,
+                                     vocab_size=self.vocab_size, gather=self.ranks.all_gather, **options)
+
+    def residual(self, logits: Tensor, embedding: Tensor):
+        from dlmrt.parallel.vocab import vocab_parallel_residual
+
+        return vocab_parallel_residual(logits, embedding[self.rows], offset=self.rows.start,
+                                       vocab_size=self.vocab_size, gather=self.ranks.all_gather,
+                                       all_reduce=self.ranks.all_reduce)
+
+
+# -- what a split needs -------------------------------------------------------------------------------
+def _attention_modules(model: Denoiser) -> list[nn.Module]:
+    kinds = (llada.LLaDABlock, llada2_moe.Attention, qwen.Attention)
+    return [m for m in model.modules() if isinstance(m, kinds)]
+
+
+def _mlp_widths(model: Denoiser) -> list[tuple[str, int]]:
+    widths = []
+    for name, module in model.named_modules():
+        if isinstance(module, layers.SwiGLU):
+            widths.append((name, module.gate_proj.out_features))
+        elif isinstance(module, llada.LLaDABlock):
+            widths.append((f"{name}.ff_proj", module.ff_proj.out_features))
+    return widths
+
+
+def tp_sizes(model: Denoiser) -> list[int]:
+    """The `--tp` values this model splits into."""
+    return [n for n in range(1, 65) if not _split_problems(model, n)]
+
+
+def _split_problems(model: Denoiser, tp: int) -> list[str]:
+    if model.model_type == "diffusion_gemma":
+        return ["the diffusion_gemma family has no tensor-parallel path yet"]
+    problems = []
+    for module in _attention_modules(model):
+        query, kv = module.heads, module.kv_heads
+        if query % tp:
+            problems.append(f"{query} query heads do not split over {tp} ranks")
+        elif kv % tp and tp % kv:
+            problems.append(f"{kv} K/V heads neither split over {tp} ranks nor replicate onto them")
+    for name, width in _mlp_widths(model):
+        if width % tp:
+            problems.append(f"the MLP width {width} ({name}) does not split over {tp} ranks")
+    if model.vocab_size < tp:
+        problems.append(f"the vocabulary ({model.vocab_size}) is smaller than {tp} ranks")
+    if model.residual_config is not None and model.residual_config.topk:
+        problems.append("the ORL residual over the top-k has no vocabulary-parallel form (topk 0 has)")
+    return list(dict.fromkeys(problems))
+
+
+def check_tensor_split(model: Denoiser, tp: int) -> None:
+    """Raise one ArgumentError if `model` does not split over `tp` ranks, naming the values that do."""
+    if tp < 1:
+        raise ArgumentError(f"--tp must be at least 1, got {tp}")
+    problems = _split_problems(model, tp)
+    if problems:
+        sizes = ", ".join(map(str, tp_sizes(model)))
+        raise ArgumentError(f"--tp {tp} does not fit {model.name}: {'; '.join(problems)} (--tp values that fit: "
+                            f"{sizes})")
+
+
+# -- the split ------------------------------------------------------------------------------------------
+def _keep_rows(linear: nn.Linear, rows: slice | list[slice]) -> None:
+    """Keep the output features `rows` of `linear` (column parallelism), in place."""
+    parts = rows if isinstance(rows, list) else [rows]
+    weight = torch.cat([linear.weight.detach()[part] for part in parts]).clone()
+    linear.weight = nn.Parameter(weight, requires_grad=False)
+    if linear.bias is not None:
+        linear.bias = nn.Parameter(torch.cat([linear.bias.detach()[part] for part in parts]).clone(),
+                                   requires_grad=False)
+    linear.out_features = weight.shape[0]
+
+
+def _split_swiglu(mlp: layers.SwiGLU, ranks: Ranks, reduce: bool) -> None:
+    """Gate and up column-parallel; down row-parallel, reduced here or (reduce=False) by the caller."""
+    width = ranks.shard(mlp.gate_proj.out_features)
+    _keep_rows(mlp.gate_proj, width)
+    _keep_rows(mlp.up_proj, width)
+    if reduce:
+        mlp.down_proj = RowParallelLinear(mlp.down_proj, width, ranks)
+    else:
+        mlp.down_proj.weight = nn.Parameter(mlp.down_proj.weight.detach()[:, width].clone(), requires_grad=False)
+        mlp.down_proj.in_features = width.stop - width.start
+
+
+def _split_llada_block(block: llada.LLaDABlock, ranks: Ranks) -> None:
+    heads = split_heads(block.heads, block.kv_heads, ranks.world, ranks.rank)
+    query, kv = heads.rows(heads.query, block.head_dim), heads.rows(heads.kv, block.head_dim)
+    _keep_rows(block.q_proj, query)
+    _keep_rows(block.k_proj, kv)
+    _keep_rows(block.v_proj, kv)
+    block.attn_out = RowParallelLinear(block.attn_out, query, ranks)
+    block.heads, block.kv_heads = len(heads.query), len(heads.kv)
+    width = ranks.shard(block.ff_proj.out_features)
+    _keep_rows(block.ff_proj, width)
+    _keep_rows(block.up_proj, width)
+    block.ff_out = RowParallelLinear(block.ff_out, width, ranks)
+
+
+def _split_attention(attention: llada2_moe.Attention | qwen.Attention, ranks: Ranks) -> None:
+    heads = split_heads(attention.heads, attention.kv_heads, ranks.world, ranks.rank)
+    d = attention.head_dim
+    query, kv = heads.rows(heads.query, d), heads.rows(heads.kv, d)
+    if isinstance(attention, llada2_moe.Attention):  # one fused projection: [queries | keys | values]
+        keys = attention.heads * d
+        values = keys + attention.kv_heads * d
+        _keep_rows(attention.query_key_value, [query, slice(keys + kv.start, keys + kv.stop),
+                                               slice(values + kv.start, values + kv.stop)])
+        attention.dense = RowParallelLinear(attention.dense, query, ranks)
+    else:
+        _keep_rows(attention.q_proj, query)
+        _keep_rows(attention.k_proj, kv)
+        _keep_rows(attention.v_proj, kv)
+        attention.o_proj = RowParallelLinear(attention.o_proj, query, ranks)
+    attention.heads, attention.kv_heads = len(heads.query), len(heads.kv)
+
+
+def _split_moe(moe: llada2_moe.MoE, ranks: Ranks) -> None:
+    for expert in moe.experts:
+        _split_swiglu(expert, ranks, reduce=False)
+    if moe.shared_experts is not None:
+        _split_swiglu(moe.shared_experts, ranks, reduce=False)
+
+
+def _untied_head(model: Denoiser) -> nn.Linear | None:
+    """The output projection when it is not the embedding (LLaDA names it `transformer.ff_out`)."""
+    if isinstance(model, llada.LLaDA):
+        return None if model.config.weight_tying else model.model.transformer["ff_out"]
+    return getattr(model, "lm_head", None)
+
+
+def _split_head(model: Denoiser, ranks: Ranks) -> VocabShard:
+    rows = vocab_split(model.vocab_size, ranks.world, ranks.rank)
+    lm_head = _untied_head(model)
+    if lm_head is not None:
+        _keep_rows(lm_head, rows)
+    else:  # tied: the head reads a view of the embedding's rows (layers.output_logits)
+        model.input_embedding().head_rows = rows
+    return VocabShard(rows, model.vocab_size, ranks)
+
+
+def shard_model(model: Denoiser, ranks: Ranks) -> Denoiser:
+    """Cut `model` in place into rank `ranks.rank`'s part of a `ranks.world`-way tensor-parallel split."""
+    check_tensor_split(model, ranks.world)
+    if ranks.world == 1:
+        return model
+    first = _attention_modules(model)[0]
+    model.num_kv_heads = len(split_heads(first.heads, first.kv_heads, ranks.world, ranks.rank).kv)
+    with torch.no_grad():
+        for parent in list(model.modules()):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, llada.LLaDABlock):
+                    _split_llada_block(child, ranks)
+                elif isinstance(child, (llada2_moe.Attention, qwen.Attention)):
+                    _split_attention(child, ranks)
+                elif isinstance(child, llada2_moe.MoE):
+                    _split_moe(child, ranks)
+                    setattr(parent, name, AllReduced(child, ranks))
+                elif isinstance(child, layers.SwiGLU) and not isinstance(parent, llada2_moe.MoE) \
+                        and not isinstance(parent, nn.ModuleList):
+                    _split_swiglu(child, ranks, reduce=True)
+        model.vocab_shard = _split_head(model, ranks)
+    return model
+
+
+__all__ = ["AllReduced", "HeadSplit", "RowParallelLinear", "VocabShard", "check_tensor_split", "shard_model",
+           "split_heads", "tp_sizes", "vocab_split"]
