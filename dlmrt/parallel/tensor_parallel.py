@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from dlmrt.core.errors import ArgumentError
 from dlmrt.export.models import Denoiser
-from dlmrt.export.models import layers, llada, llada2_moe, qwen
+from dlmrt.export.models import diffusion_gemma, layers, llada, llada2_moe, qwen
 from dlmrt.parallel.ranks import Ranks
 
 
@@ -58,8 +58,8 @@ class AllReduced(nn.Module):
         super().__init__()
         self.module, self.ranks = module, ranks
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.ranks.all_reduce(self.module(x))
+    def forward(self, *inputs: Tensor) -> Tensor:
+        return self.ranks.all_reduce(self.module(*inputs))
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,7 @@ class VocabShard:
 
 # -- what a split needs -------------------------------------------------------------------------------
 def _attention_modules(model: Denoiser) -> list[nn.Module]:
-    kinds = (llada.LLaDABlock, llada2_moe.Attention, qwen.Attention)
+    kinds = (llada.LLaDABlock, llada2_moe.Attention, qwen.Attention, diffusion_gemma.Attention)
     return [m for m in model.modules() if isinstance(m, kinds)]
 
 
@@ -125,6 +125,8 @@ def _mlp_widths(model: Denoiser) -> list[tuple[str, int]]:
     for name, module in model.named_modules():
         if isinstance(module, layers.SwiGLU):
             widths.append((name, module.gate_proj.out_features))
+        elif isinstance(module, diffusion_gemma.Experts):
+            widths.append((f"{name}.down_proj", module.down_proj.shape[-1]))
         elif isinstance(module, llada.LLaDABlock):
             widths.append((f"{name}.ff_proj", module.ff_proj.out_features))
     return widths
@@ -136,8 +138,6 @@ def tp_sizes(model: Denoiser) -> list[int]:
 
 
 def _split_problems(model: Denoiser, tp: int) -> list[str]:
-    if model.model_type == "diffusion_gemma":
-        return ["the diffusion_gemma family has no tensor-parallel path yet"]
     problems = []
     for module in _attention_modules(model):
         query, kv = module.heads, module.kv_heads
@@ -204,7 +204,8 @@ def _split_llada_block(block: llada.LLaDABlock, ranks: Ranks) -> None:
     block.ff_out = RowParallelLinear(block.ff_out, width, ranks)
 
 
-def _split_attention(attention: llada2_moe.Attention | qwen.Attention, ranks: Ranks) -> None:
+def _split_attention(attention: llada2_moe.Attention | qwen.Attention | diffusion_gemma.Attention,
+                     ranks: Ranks) -> None:
     heads = split_heads(attention.heads, attention.kv_heads, ranks.world, ranks.rank)
     d = attention.head_dim
     query, kv = heads.rows(heads.query, d), heads.rows(heads.kv, d)
@@ -217,7 +218,8 @@ def _split_attention(attention: llada2_moe.Attention | qwen.Attention, ranks: Ra
     else:
         _keep_rows(attention.q_proj, query)
         _keep_rows(attention.k_proj, kv)
-        _keep_rows(attention.v_proj, kv)
+        if hasattr(attention, "v_proj"):  # DiffusionGemma's full layers take V from the raw keys
+            _keep_rows(attention.v_proj, kv)
         attention.o_proj = RowParallelLinear(attention.o_proj, query, ranks)
     attention.heads, attention.kv_heads = len(heads.query), len(heads.kv)
 
@@ -227,6 +229,18 @@ def _split_moe(moe: llada2_moe.MoE, ranks: Ranks) -> None:
         _split_swiglu(expert, ranks, reduce=False)
     if moe.shared_experts is not None:
         _split_swiglu(moe.shared_experts, ranks, reduce=False)
+
+
+def _split_stacked_experts(experts: diffusion_gemma.Experts, ranks: Ranks) -> None:
+    """DiffusionGemma's stacked experts, each cut like an MLP (`gate_up_proj [E, 2I, H]` holds the gate's rows,
+    then the up projection's), with no collective of their own."""
+    inner = experts.down_proj.shape[-1]
+    width = ranks.shard(inner)
+    gate_up = experts.gate_up_proj.detach()
+    up = slice(inner + width.start, inner + width.stop)
+    experts.gate_up_proj = nn.Parameter(torch.cat((gate_up[:, width], gate_up[:, up]), dim=1).clone(),
+                                        requires_grad=False)
+    experts.down_proj = nn.Parameter(experts.down_proj.detach()[:, :, width].clone(), requires_grad=False)
 
 
 def _untied_head(model: Denoiser) -> nn.Linear | None:
@@ -258,7 +272,10 @@ def shard_model(model: Denoiser, ranks: Ranks) -> Denoiser:
             for name, child in list(parent.named_children()):
                 if isinstance(child, llada.LLaDABlock):
                     _split_llada_block(child, ranks)
-                elif isinstance(child, (llada2_moe.Attention, qwen.Attention)):
+                elif isinstance(child, diffusion_gemma.Experts):
+                    _split_stacked_experts(child, ranks)
+                    setattr(parent, name, AllReduced(child, ranks))
+                elif isinstance(child, (llada2_moe.Attention, qwen.Attention, diffusion_gemma.Attention)):
                     _split_attention(child, ranks)
                 elif isinstance(child, llada2_moe.MoE):
                     _split_moe(child, ranks)

@@ -47,7 +47,7 @@ from torch import Tensor, nn
 
 from dlmrt.core.errors import ArgumentError, UnsupportedFeatureError
 from dlmrt.export.models.denoiser import Denoiser, DenoiserOutput, LayerGroupKV, SpecialTokens, window_positions
-from dlmrt.export.models.layers import SwiGLU, in_fixed_shape_graph
+from dlmrt.export.models.layers import SwiGLU, in_fixed_shape_graph, tied_head_weight
 from dlmrt.export.models.residual import Residual, ResidualConfig
 
 from dlmrt.export.models.diffusion_gemma_config import (FULL, SLIDING, DiffusionGemmaConfig, RopeConfig,
@@ -278,7 +278,7 @@ class DiffusionGemma(Denoiser):
         return self.model.decoder.layers
 
     def head(self, hidden: Tensor) -> Tensor:
-        logits = F.linear(self.model.decoder.norm(hidden), self.input_embedding().weight).float()
+        logits = F.linear(self.model.decoder.norm(hidden), tied_head_weight(self.input_embedding())).float()
         if self.softcap is None:
             return logits
         return torch.tanh(logits / self.softcap) * self.softcap
@@ -333,9 +333,15 @@ class DiffusionGemma(Denoiser):
 
     def cache_groups(self) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
         """(layers, K/V heads, head size) of the sliding and of the full layers: the shapes of a LayerGroupKV."""
-        config = self.config
-        return tuple((config.layer_types.count(kind), config.kv_heads(kind), config.head_dim(kind))
-                     for kind in (SLIDING, FULL))
+        return tuple((self.config.layer_types.count(kind), *self._kv_shape(kind)) for kind in (SLIDING, FULL))
+
+    def _kv_shape(self, kind: str) -> tuple[int, int]:
+        """(K/V heads, head size) a layer of `kind` caches: read off its attention, so that a tensor-parallel
+        rank's cache holds its own heads only."""
+        for layer in self.model.decoder.layers:
+            if layer.self_attn.layer_type == kind:
+                return layer.self_attn.kv_heads, layer.self_attn.head_dim
+        return self.config.kv_heads(kind), self.config.head_dim(kind)
 
     def encode(self, input_ids: Tensor, *, positions: Tensor | None = None, key_mask: Tensor | None = None,
                past: LayerGroupKV | None = None) -> LayerGroupKV:
@@ -359,13 +365,15 @@ class DiffusionGemma(Denoiser):
 
     def _empty_group(self, kind: str, input_ids: Tensor) -> Tensor:
         batch, length = input_ids.shape
-        heads, head = self.config.kv_heads(kind), self.config.head_dim(kind)
+        heads, head = self._kv_shape(kind)
         return torch.zeros(0, 2, batch, heads, length, head, dtype=self.dtype, device=input_ids.device)
 
     def soft_tokens(self, scaled_logits: Tensor) -> Residual:
         """The next step's self-conditioning from this step's temperature-scaled logits `[B, T, V]`:
         z = softmax(logits) @ E, with the distribution's certainty 1 - H / log V beside it."""
         weight = self.input_embedding().weight
+        if self.vocab_shard is not None:  # a tensor-parallel rank's logits are its vocabulary slice
+            return self.vocab_shard.residual(scaled_logits.float(), weight)
         p = F.softmax(scaled_logits.float(), dim=-1)
         z = p.to(weight.dtype) @ weight
         entropy = -(p * F.log_softmax(scaled_logits.float(), dim=-1)).nan_to_num().sum(-1)

@@ -53,14 +53,16 @@ class PreNormLayer(nn.Module):
 
 
 def output_logits(hidden: Tensor, norm: nn.Module, embedding: nn.Embedding, lm_head: nn.Module | None) -> Tensor:
-    """The final norm, then `lm_head`, or the input embedding's weight when the two are tied (`lm_head` None).
-    A vocabulary-parallel rank's tied head reads only its rows of the embedding (`head_rows`, set by
-    `dlmrt.parallel.tensor_parallel`)."""
+    """The final norm, then `lm_head`, or the input embedding's weight when the two are tied (`lm_head` None)."""
     hidden = norm(hidden)
-    if lm_head is None:
-        rows = getattr(embedding, "head_rows", None)
-        return F.linear(hidden, embedding.weight if rows is None else embedding.weight[rows])
-    return lm_head(hidden)
+    return F.linear(hidden, tied_head_weight(embedding)) if lm_head is None else lm_head(hidden)
+
+
+def tied_head_weight(embedding: nn.Embedding) -> Tensor:
+    """The weight of a head tied to `embedding`: all of it, or on a vocabulary-parallel rank its rows
+    (`head_rows`, set by `dlmrt.parallel.tensor_parallel`)."""
+    rows = getattr(embedding, "head_rows", None)
+    return embedding.weight if rows is None else embedding.weight[rows]
 
 
 class SwiGLU(nn.Module):

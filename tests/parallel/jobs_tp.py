@@ -31,6 +31,10 @@ def random_dream():
     return qwen_testing.make_model(qwen_testing.DREAM, seed=4)
 
 
+def tiny_diffusion_gemma():
+    return dlmrt.load(dlmrt.TINY_MODEL_DIR.parent / "tiny-diffusion-gemma")
+
+
 def sharded_logits(ranks, make_model, ids, plan: ParallelPlan):
     """This rank's logits (its vocabulary slice under TP), the whole model's, eager and compiled, and the
     collectives one eager forward issued."""

@@ -54,10 +54,13 @@ def test_a_split_that_does_not_fit_is_refused_naming_the_sizes_that_do():
 
 # -- two ranks against one process -----------------------------------------------------------------------
 @pytest.mark.slow
-@pytest.mark.parametrize("make_model, per_layer", [
-    (jobs_tp.tiny_llada, 2), (jobs_tp.random_llada2, 2), (jobs_tp.random_dream, 2)],
-    ids=["llada", "llada2_moe", "dream"])
-def test_two_ranks_give_the_vocabulary_slices_of_the_one_process_logits(make_model, per_layer):
+@pytest.mark.parametrize("make_model, per_layer, per_forward", [
+    (jobs_tp.tiny_llada, 2, 0), (jobs_tp.random_llada2, 2, 0), (jobs_tp.random_dream, 2, 0),
+    # DiffusionGemma norms the attention's, the dense MLP's and the experts' outputs apart: three per layer,
+    # and one for the self-conditioning MLP
+    (jobs_tp.tiny_diffusion_gemma, 3, 1)],
+    ids=["llada", "llada2_moe", "dream", "diffusion_gemma"])
+def test_two_ranks_give_the_vocabulary_slices_of_the_one_process_logits(make_model, per_layer, per_forward):
     ids = torch.randint(0, 40, (2, 12), generator=torch.Generator().manual_seed(0))
     results = run_ranks(jobs_tp.sharded_logits, 2, (make_model, ids, ParallelPlan(tp=2)))
     model = make_model()
@@ -68,5 +71,5 @@ def test_two_ranks_give_the_vocabulary_slices_of_the_one_process_logits(make_mod
         slices.append(result["eager"].shape[-1])
         # one all-reduce of the hidden states [B, T, H] after attention, one after the MLP or MoE
         hidden = 2 * 12 * model.hidden_size * 4
-        assert result["calls"] == [("all_reduce", hidden)] * (per_layer * model.num_layers)
+        assert result["calls"] == [("all_reduce", hidden)] * (per_layer * model.num_layers + per_forward)
     assert sum(slices) == model.vocab_size
