@@ -111,22 +111,42 @@ def _without_token(scores: Tensor, token: int, value: float) -> Tensor:
     return scores
 
 
+def candidate_scores(logits: Tensor, params: UnmaskParams, positions: Tensor, mask_id: int,
+                     sampling: bool | None = None, offset: int = 0) -> Tensor:
+    """The scores `[B, W, n]` whose argmax (the first maximum) is x0: the logits with the mask token at
+    -inf (float32), or in float64 where `sampling`, the Gumbel-max scores of rows with temperature > 0
+    and the logits of the others. `logits` may be the slice of the vocabulary starting at `offset`
+    (a rank's shard): the noise is drawn with the global vocabulary indices and `mask_id` is global,
+    so that a slice's scores are those of the whole vocabulary's, entry for entry."""
+    vocab = logits.shape[-1]
+    if 0 <= mask_id - offset < vocab:
+        logits = _without_token(logits, mask_id - offset, float("-inf"))
+    temperature = params.temperature
+    if sampling is None:
+        sampling = bool((temperature > 0).any())
+    if not sampling:
+        return logits
+    index = torch.arange(offset, offset + vocab, device=logits.device)
+    noise = uniform(params.seed, params.step, positions, index)
+    t = temperature.to(torch.float64)[:, None, None]
+    scores = logits.to(torch.float64).exp() / (-torch.log(noise)) ** t
+    return torch.where(t > 0, scores, logits.to(torch.float64))
+
+
 def candidates(logits: Tensor, params: UnmaskParams, positions: Tensor, mask_id: int,
                sampling: bool | None = None) -> Tensor:
     """x0 `[B, W]`: the argmax, or a Gumbel-max sample for rows with temperature > 0. The mask token
     is never a candidate: committing it would leave the position masked. `sampling=False` promises
     that every temperature is 0 (skipping the noise without reading the temperatures back)."""
-    logits = _without_token(logits, mask_id, float("-inf"))
-    temperature = params.temperature
-    if sampling is None:
-        sampling = bool((temperature > 0).any())
-    if not sampling:
-        return logits.argmax(-1)
-    vocab = torch.arange(logits.shape[-1], device=logits.device)
-    noise = uniform(params.seed, params.step, positions, vocab)
-    t = temperature.to(torch.float64)[:, None, None]
-    scores = logits.to(torch.float64).exp() / (-torch.log(noise)) ** t
-    return torch.where(t > 0, scores, logits.to(torch.float64)).argmax(-1)
+    return candidate_scores(logits, params, positions, mask_id, sampling).argmax(-1)
+
+
+def random_confidence(params: UnmaskParams, positions: Tensor) -> Tensor:
+    """float32 `[B, W]`: the "random" confidence, which does not depend on the logits."""
+    salt = torch.full((), _RANDOM_CONFIDENCE_SALT, dtype=torch.long, device=positions.device)
+    u = uniform(params.seed, params.step, positions, salt)
+    # 23 bits, so that the float32 value is exact and stays below 1
+    return ((torch.floor(u * 2.0**23) + 0.5) / 2.0**23).to(torch.float32)
 
 
 def confidence_of(logits: Tensor, x0: Tensor, measure: str | Tensor, params: UnmaskParams, positions: Tensor,
@@ -141,10 +161,7 @@ def confidence_of(logits: Tensor, x0: Tensor, measure: str | Tensor, params: Unm
                                   per_row)
         return per_row
     if measure == "random":
-        salt = torch.full((), _RANDOM_CONFIDENCE_SALT, dtype=torch.long, device=logits.device)
-        u = uniform(params.seed, params.step, positions, salt)
-        # 23 bits, so that the float32 value is exact and stays below 1
-        return ((torch.floor(u * 2.0**23) + 0.5) / 2.0**23).to(torch.float32)
+        return random_confidence(params, positions)
     logp = F.log_softmax(logits, dim=-1)
     p = logp.exp()
     if measure == "prob":
@@ -171,8 +188,39 @@ def commit_count(ranked: Tensor, masked: Tensor, params: UnmaskParams) -> Tensor
 
 def edits_of(logits: Tensor, ids: Tensor, x0: Tensor, edits: EditParams, mask_id: int) -> Tensor:
     """`[B, W]` bool: the committed positions a step overwrites with x0."""
-    p = F.softmax(logits, dim=-1).gather(-1, x0[..., None]).squeeze(-1)
-    return edits.editable & (ids != mask_id) & (x0 != ids) & (p >= edits.threshold[:, None])
+    return edit_rule(ids, x0, candidate_probability(logits, x0), edits, mask_id)
+
+
+def candidate_probability(logits: Tensor, x0: Tensor) -> Tensor:
+    """float32 `[B, W]`: p(x0), what token editing compares with its threshold."""
+    return F.softmax(logits, dim=-1).gather(-1, x0[..., None]).squeeze(-1)
+
+
+def edit_rule(ids: Tensor, x0: Tensor, probability: Tensor, edits: EditParams, mask_id: int) -> Tensor:
+    """`[B, W]` bool: the committed positions a step overwrites with x0, given p(x0) `[B, W]`."""
+    return edits.editable & (ids != mask_id) & (x0 != ids) & (probability >= edits.threshold[:, None])
+
+
+def commit_step(ids: Tensor, x0: Tensor, confidence: Tensor, params: UnmaskParams, *, mask_id: int,
+                edits: EditParams | None = None, probability: Tensor | None = None) -> UnmaskResult:
+    """The step's decision, from each position's candidate x0 and its confidence `[B, W]` (float32):
+    the k most confident masked positions take x0, and with `edits` the committed positions that
+    `edit_rule` picks (given `probability`, p(x0) `[B, W]`). Every form of the step (this module's
+    `parallel_unmask`, the vocabulary-parallel step of `dlmrt.parallel.vocab`) ends here."""
+    is_masked = ids == mask_id
+    conf = torch.where(is_masked, confidence, float("-inf"))
+    ranked, order = conf.sort(dim=-1, descending=True, stable=True)
+    k = commit_count(ranked, is_masked.sum(-1), params)
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(ids.shape[-1], device=ids.device)
+                                            .expand_as(order))
+    commit = (rank < k[:, None]) & is_masked
+    if edits is not None:
+        if probability is None:
+            raise ValueError("token editing needs p(x0) (`probability`)")
+        changed = commit | edit_rule(ids, x0, probability, edits, mask_id)
+    else:
+        changed = commit
+    return UnmaskResult(torch.where(changed, x0, ids), conf, commit, k)
 
 
 def parallel_unmask(logits: Tensor, ids: Tensor, positions: Tensor, params: UnmaskParams, *,
@@ -181,14 +229,7 @@ def parallel_unmask(logits: Tensor, ids: Tensor, positions: Tensor, params: Unma
     """One step: logits `[B, W, V]` (float32), ids and positions `[B, W]`, params `[B]` each.
     `sampling`: whether any row has temperature > 0, when the caller knows (saves a device sync).
     `edits`: token editing (None: a step never changes a committed token)."""
-    is_masked = ids == mask_id
     x0 = candidates(logits, params, positions, mask_id, sampling)
     conf = confidence_of(logits, x0, confidence, params, positions, mask_id)
-    conf = torch.where(is_masked, conf, float("-inf"))
-    ranked, order = conf.sort(dim=-1, descending=True, stable=True)
-    k = commit_count(ranked, is_masked.sum(-1), params)
-    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(ids.shape[-1], device=ids.device)
-                                            .expand_as(order))
-    commit = (rank < k[:, None]) & is_masked
-    changed = commit if edits is None else commit | edits_of(logits, ids, x0, edits, mask_id)
-    return UnmaskResult(torch.where(changed, x0, ids), conf, commit, k)
+    probability = None if edits is None else candidate_probability(logits, x0)
+    return commit_step(ids, x0, conf, params, mask_id=mask_id, edits=edits, probability=probability)
