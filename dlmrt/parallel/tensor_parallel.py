@@ -147,7 +147,8 @@ def _split_problems(model: Denoiser, tp: int) -> list[str]:
             problems.append(f"{kv} K/V heads neither split over {tp} ranks nor replicate onto them")
     for name, width in _mlp_widths(model):
         if width % tp:
-            problems.append(f"the MLP width {width} ({name}) does not split over {tp} ranks")
+            kind = "expert width" if "expert" in name else "MLP width"
+            problems.append(f"the {kind} {width} does not split over {tp} ranks")
     if model.vocab_size < tp:
         problems.append(f"the vocabulary ({model.vocab_size}) is smaller than {tp} ranks")
     if model.residual_config is not None and model.residual_config.topk:
@@ -261,10 +262,9 @@ def _split_head(model: Denoiser, ranks: Ranks) -> VocabShard:
 
 
 def shard_model(model: Denoiser, ranks: Ranks) -> Denoiser:
-    """Cut `model` in place into rank `ranks.rank`'s part of a `ranks.world`-way tensor-parallel split."""
+    """Cut `model` in place into rank `ranks.rank`'s part of a `ranks.world`-way tensor-parallel split. A world
+    of one runs the whole split path (every collective over a group of one): what a one-GPU check runs."""
     check_tensor_split(model, ranks.world)
-    if ranks.world == 1:
-        return model
     first = _attention_modules(model)[0]
     model.num_kv_heads = len(split_heads(first.heads, first.kv_heads, ranks.world, ranks.rank).kv)
     with torch.no_grad():

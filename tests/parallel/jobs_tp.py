@@ -63,3 +63,20 @@ def generated_tokens(ranks, make_model, prompts, settings_list, mode, plan: Para
         if calls is None and ranks is not None:
             calls = list(ranks.log.calls)
     return {"tokens": tokens, "calls": calls}
+
+
+def dies_mid_generate(ranks, make_model, prompts, settings):
+    """Rank 1 kills itself (SIGKILL: no goodbye to the others) after its first block; the others go on."""
+    import os
+    import signal
+
+    model = plan_model(ranks, make_model, ParallelPlan(tp=ranks.world))
+    run = Generator(TorchBackend(model, mode="eager")).stream(prompts, settings)
+    for number, _ in enumerate(run):
+        if ranks.rank == 1 and number == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+    return run.result.tokens
+
+
+def plan_model(ranks, make_model, plan: ParallelPlan):
+    return plan.apply(make_model(), ranks)
