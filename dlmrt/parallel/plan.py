@@ -52,7 +52,7 @@ class ParallelPlan:
         if self.tp > 1:
             from dlmrt.parallel.tensor_parallel import check_tensor_split
 
-            check_tensor_split(model, self.tp)
+            check_tensor_split(model, self.tp, split_experts=self.ep == 1)
         if self.ep > 1:
             from dlmrt.parallel.experts import check_expert_split
 

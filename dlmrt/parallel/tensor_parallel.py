@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from dlmrt.core.errors import ArgumentError
 from dlmrt.export.models import Denoiser
 from dlmrt.export.models import diffusion_gemma, layers, llada, llada2_moe, qwen
+from dlmrt.parallel.experts import ExpertParallelExperts, ExpertParallelMoE
 from dlmrt.parallel.ranks import Ranks
 
 
@@ -120,9 +121,18 @@ def _attention_modules(model: Denoiser) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, kinds)]
 
 
-def _mlp_widths(model: Denoiser) -> list[tuple[str, int]]:
+def _experts_inside(model: Denoiser) -> set[int]:
+    """The ids of the modules that make up a MoE's experts (its routed and shared experts)."""
+    return {id(part) for moe in model.modules() if isinstance(moe, llada2_moe.MoE)
+            for part in moe.modules() if part is not moe}
+
+
+def _mlp_widths(model: Denoiser, split_experts: bool) -> list[tuple[str, int]]:
     widths = []
+    inside = _experts_inside(model)
     for name, module in model.named_modules():
+        if not split_experts and (id(module) in inside or isinstance(module, diffusion_gemma.Experts)):
+            continue
         if isinstance(module, layers.SwiGLU):
             widths.append((name, module.gate_proj.out_features))
         elif isinstance(module, diffusion_gemma.Experts):
@@ -132,12 +142,12 @@ def _mlp_widths(model: Denoiser) -> list[tuple[str, int]]:
     return widths
 
 
-def tp_sizes(model: Denoiser) -> list[int]:
+def tp_sizes(model: Denoiser, split_experts: bool = True) -> list[int]:
     """The `--tp` values this model splits into."""
-    return [n for n in range(1, 65) if not _split_problems(model, n)]
+    return [n for n in range(1, 65) if not _split_problems(model, n, split_experts)]
 
 
-def _split_problems(model: Denoiser, tp: int) -> list[str]:
+def _split_problems(model: Denoiser, tp: int, split_experts: bool) -> list[str]:
     problems = []
     for module in _attention_modules(model):
         query, kv = module.heads, module.kv_heads
@@ -145,7 +155,7 @@ def _split_problems(model: Denoiser, tp: int) -> list[str]:
             problems.append(f"{query} query heads do not split over {tp} ranks")
         elif kv % tp and tp % kv:
             problems.append(f"{kv} K/V heads neither split over {tp} ranks nor replicate onto them")
-    for name, width in _mlp_widths(model):
+    for name, width in _mlp_widths(model, split_experts):
         if width % tp:
             kind = "expert width" if "expert" in name else "MLP width"
             problems.append(f"the {kind} {width} does not split over {tp} ranks")
@@ -156,13 +166,14 @@ def _split_problems(model: Denoiser, tp: int) -> list[str]:
     return list(dict.fromkeys(problems))
 
 
-def check_tensor_split(model: Denoiser, tp: int) -> None:
-    """Raise one ArgumentError if `model` does not split over `tp` ranks, naming the values that do."""
+def check_tensor_split(model: Denoiser, tp: int, split_experts: bool = True) -> None:
+    """Raise one ArgumentError if `model` does not split over `tp` ranks, naming the values that do.
+    `split_experts=False`: expert parallelism keeps each expert whole on its rank."""
     if tp < 1:
         raise ArgumentError(f"--tp must be at least 1, got {tp}")
-    problems = _split_problems(model, tp)
+    problems = _split_problems(model, tp, split_experts)
     if problems:
-        sizes = ", ".join(map(str, tp_sizes(model)))
+        sizes = ", ".join(map(str, tp_sizes(model, split_experts)))
         raise ArgumentError(f"--tp {tp} does not fit {model.name}: {'; '.join(problems)} (--tp values that fit: "
                             f"{sizes})")
 
@@ -264,14 +275,22 @@ def _split_head(model: Denoiser, ranks: Ranks) -> VocabShard:
 def shard_model(model: Denoiser, ranks: Ranks) -> Denoiser:
     """Cut `model` in place into rank `ranks.rank`'s part of a `ranks.world`-way tensor-parallel split. A world
     of one runs the whole split path (every collective over a group of one): what a one-GPU check runs."""
-    check_tensor_split(model, ranks.world)
+    experts_split = any(isinstance(m, (ExpertParallelMoE, ExpertParallelExperts)) for m in model.modules())
+    check_tensor_split(model, ranks.world, split_experts=not experts_split)
     first = _attention_modules(model)[0]
     model.num_kv_heads = len(split_heads(first.heads, first.kv_heads, ranks.world, ranks.rank).kv)
+    inside = _experts_inside(model)
     with torch.no_grad():
         for parent in list(model.modules()):
             for name, child in list(parent.named_children()):
+                if id(child) in inside or isinstance(child, ExpertParallelExperts):
+                    continue  # an expert: its MoE's branch below cuts it, or expert parallelism keeps it whole
                 if isinstance(child, llada.LLaDABlock):
                     _split_llada_block(child, ranks)
+                elif isinstance(child, ExpertParallelMoE):  # experts whole on their ranks; shared ones split
+                    if child.shared_experts is not None:
+                        _split_swiglu(child.shared_experts, ranks, reduce=False)
+                        child.shared_is_partial = True
                 elif isinstance(child, diffusion_gemma.Experts):
                     _split_stacked_experts(child, ranks)
                     setattr(parent, name, AllReduced(child, ranks))
@@ -280,8 +299,7 @@ def shard_model(model: Denoiser, ranks: Ranks) -> Denoiser:
                 elif isinstance(child, llada2_moe.MoE):
                     _split_moe(child, ranks)
                     setattr(parent, name, AllReduced(child, ranks))
-                elif isinstance(child, layers.SwiGLU) and not isinstance(parent, llada2_moe.MoE) \
-                        and not isinstance(parent, nn.ModuleList):
+                elif isinstance(child, layers.SwiGLU):
                     _split_swiglu(child, ranks, reduce=True)
         model.vocab_shard = _split_head(model, ranks)
     return model
