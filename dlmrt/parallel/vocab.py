@@ -106,9 +106,9 @@ def _combine_normalizer(stats: Tensor) -> _Normalizer:
     highest = top.amax(0)
     shift = torch.where(highest == float("-inf"), torch.zeros_like(highest), highest)
     local_shift = torch.where(top == float("-inf"), torch.zeros_like(top), top)
-    scale = (top - shift).exp()  # 0 for a shard of -inf only
-    total = (scale * sum_exp).sum(0)
-    weighted = (scale * (sum_exp_logit + (local_shift - shift) * sum_exp)).sum(0)  # sum_v e_v (l_v - M)
+    rescale = (top - shift).exp()  # 0 for a shard of -inf only
+    total = (rescale * sum_exp).sum(0)
+    weighted = (rescale * (sum_exp_logit + (local_shift - shift) * sum_exp)).sum(0)  # sum_v e_v (l_v - M)
     return _Normalizer(shift, total, total.log() - weighted / total)
 
 
