@@ -31,6 +31,12 @@ factor rule's boundary, as the reference's own CPU and CUDA results can.
 
 The ORL residual (`vocab_parallel_residual`) exchanges the first three statistics over the window
 and sums each rank's share of z = softmax(l) @ E with one all_reduce of `[B, T, H]`.
+
+DiffusionGemma's uniform-noise step (`vocab_parallel_entropy_bound_step`, the reference's
+`entropy_bound_step`) exchanges RENOISE_STAT_COUNT statistics of the scaled logits per position (the
+normalizer's three, the argmax and the Gumbel-max sample of each shard, value and global index) and
+ends in the reference's `renoise`; its self-conditioning (`vocab_parallel_soft_tokens`, the family's
+`soft_tokens`) is computed like the ORL residual.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 from torch import Tensor
 
+from dlmrt.plugins.entropy_bound.reference import RenoiseParams, RenoiseResult, gumbel_scores, renoise, scale
 from dlmrt.plugins.parallel_unmask.reference import (CONFIDENCE_MEASURES, MEASURE_CODES, EditParams, UnmaskParams,
                                                      UnmaskResult, candidate_scores, commit_step, random_confidence)
 
@@ -99,9 +106,9 @@ def _combine_normalizer(stats: Tensor) -> _Normalizer:
     highest = top.amax(0)
     shift = torch.where(highest == float("-inf"), torch.zeros_like(highest), highest)
     local_shift = torch.where(top == float("-inf"), torch.zeros_like(top), top)
-    scale = (top - shift).exp()  # 0 for a shard of -inf only
-    total = (scale * sum_exp).sum(0)
-    weighted = (scale * (sum_exp_logit + (local_shift - shift) * sum_exp)).sum(0)  # sum_v e_v (l_v - M)
+    rescale = (top - shift).exp()  # 0 for a shard of -inf only
+    total = (rescale * sum_exp).sum(0)
+    weighted = (rescale * (sum_exp_logit + (local_shift - shift) * sum_exp)).sum(0)  # sum_v e_v (l_v - M)
     return _Normalizer(shift, total, total.log() - weighted / total)
 
 
@@ -187,6 +194,18 @@ def vocab_parallel_unmask(logits: Tensor, ids: Tensor, positions: Tensor, params
 
 
 
+def _mixture(logits: Tensor, embedding: Tensor, offset: int, vocab_size: int, gather: Gather, all_reduce: AllReduce,
+             p_dtype: torch.dtype) -> tuple[Tensor, _Normalizer]:
+    """sum_v p_v E_v `[B, T, H]` float32 over the whole vocabulary (p = softmax(logits) rounded to `p_dtype`,
+    as the reference rounds it before its matmul) and the normalizer, from a rank's shards."""
+    _check_shard(logits.shape[-1], offset, vocab_size)
+    if embedding.shape[0] != logits.shape[-1]:
+        raise ValueError(f"the embedding shard has {embedding.shape[0]} rows for {logits.shape[-1]} logits")
+    normalizer = _combine_normalizer(gather(_normalizer_statistics(logits)))
+    p = (logits.to(torch.float64) - normalizer.shift[..., None]).exp() / normalizer.sum_exp[..., None]
+    return all_reduce(p.to(p_dtype).float() @ embedding.float()), normalizer
+
+
 def vocab_parallel_residual(logits: Tensor, embedding: Tensor, *, offset: int, vocab_size: int, gather: Gather,
                             all_reduce: AllReduce) -> Residual:
     """`residual_context` (the ORL residual) of the whole vocabulary, on a rank holding the logits shard
@@ -195,11 +214,74 @@ def vocab_parallel_residual(logits: Tensor, embedding: Tensor, *, offset: int, v
     all_reduce (a sum) of this rank's share of z, `[B, T, H]` float32."""
     from dlmrt.export.models.residual import Residual  # here: the model families may import this module
 
-    _check_shard(logits.shape[-1], offset, vocab_size)
-    if embedding.shape[0] != logits.shape[-1]:
-        raise ValueError(f"the embedding shard has {embedding.shape[0]} rows for {logits.shape[-1]} logits")
-    normalizer = _combine_normalizer(gather(_normalizer_statistics(logits)))
-    p = ((logits.to(torch.float64) - normalizer.shift[..., None]).exp() / normalizer.sum_exp[..., None])
-    z = all_reduce(p.to(torch.float32) @ embedding.float())
+    z, normalizer = _mixture(logits, embedding, offset, vocab_size, gather, all_reduce, torch.float32)
     certainty = (1.0 - normalizer.entropy / math.log(vocab_size)).clamp(0.0, 1.0)
     return Residual(z.to(embedding.dtype), certainty.to(torch.float32).to(embedding.dtype))
+
+
+# -- DiffusionGemma's uniform-noise step ---------------------------------------------------------
+
+# The statistics of one position of one shard for the entropy-bound step, in this order.
+RENOISE_STATS = ("max_logit", "sum_exp", "sum_exp_logit", "argmax_value", "argmax_index", "sample_score",
+                 "sample_index")
+RENOISE_STAT_COUNT = len(RENOISE_STATS)
+_ARGMAX_VALUE, _ARGMAX_INDEX, _SAMPLE_SCORE, _SAMPLE_INDEX = range(NORMALIZER_STAT_COUNT, RENOISE_STAT_COUNT)
+
+
+def _best(scores: Tensor, offset: int) -> tuple[Tensor, Tensor]:
+    """The first maximum of `scores [..., n]` as (its value, its global index), both float64 `[...]`."""
+    best = scores.argmax(-1, keepdim=True)
+    return scores.gather(-1, best).squeeze(-1).to(torch.float64), (best.squeeze(-1) + offset).to(torch.float64)
+
+
+def _winner(stats: Tensor, value: int, index: int) -> Tensor:
+    """int64 `[...]`: the global index of the best of every shard's best (equal values: the lowest rank)."""
+    return stats[..., index].gather(0, stats[..., value].argmax(0, keepdim=True)).squeeze(0).to(torch.long)
+
+
+def renoise_statistics(logits: Tensor, offset: int, vocab_size: int, params: RenoiseParams,
+                       positions: Tensor) -> tuple[Tensor, Tensor]:
+    """(float64 `[B, W, RENOISE_STAT_COUNT]`, the scaled logits shard): what `entropy_bound_step` needs of a
+    rank's logits shard `[B, W, n]` (float32) at `offset` of `vocab_size`: the normalizer's statistics of
+    the scaled logits, their argmax and the Gumbel-max sample of the shard (values and global indices)."""
+    _check_shard(logits.shape[-1], offset, vocab_size)
+    scaled = scale(logits, params)
+    argmax = _best(scaled, offset)
+    sample = _best(gumbel_scores(scaled, params.seed, params.step, positions, offset), offset)
+    return torch.cat([_normalizer_statistics(scaled), torch.stack([*argmax, *sample], dim=-1)], dim=-1), scaled
+
+
+def renoise_exchange_bytes(batch: int, width: int, world: int) -> int:
+    """As `step_exchange_bytes`, for `vocab_parallel_entropy_bound_step`'s one all_gather."""
+    return (world - 1) * batch * width * RENOISE_STAT_COUNT * 8
+
+
+def vocab_parallel_entropy_bound_step(logits: Tensor, canvas: Tensor, positions: Tensor, params: RenoiseParams, *,
+                                      offset: int, vocab_size: int, gather: Gather,
+                                      finished: Tensor | None = None) -> RenoiseResult:
+    """`entropy_bound_step` of the whole vocabulary's logits, on a rank holding the shard `[B, W, n]` at
+    `offset` of `vocab_size`, with one all_gather of `[B, W, RENOISE_STAT_COUNT]` float64. The canvas,
+    argmax, accepted positions and mean entropy are every rank's alike; `scaled_logits` is this rank's
+    shard of the reference's `[B, W, n]` (what `vocab_parallel_soft_tokens` takes). The argmax and the
+    sample are the reference's bit for bit, the entropies equal to float32 rounding: the accepted set can
+    differ only where a sum of entropies lies within that rounding of the bound (or two entropies of
+    each other)."""
+    stats, scaled = renoise_statistics(logits, offset, vocab_size, params, positions)
+    gathered = gather(stats)
+    token_entropy = _combine_normalizer(gathered).entropy.to(torch.float32)
+    return renoise(token_entropy, _winner(gathered, _SAMPLE_SCORE, _SAMPLE_INDEX),
+                   _winner(gathered, _ARGMAX_VALUE, _ARGMAX_INDEX), scaled, canvas, positions, params, vocab_size,
+                   finished)
+
+
+def vocab_parallel_soft_tokens(scaled_logits: Tensor, weight: Tensor, *, offset: int, vocab_size: int,
+                               gather: Gather, all_reduce: AllReduce) -> Residual:
+    """DiffusionGemma's `soft_tokens` (its self-conditioning: z = softmax(scaled logits) @ E in E's dtype,
+    certainty 1 - H / log V in float32, not clamped) from a rank's shard of the scaled logits `[B, T, n]`
+    at `offset` and the embedding rows of the same slice `[n, H]`; one all_gather of `[B, T, 3]` float64
+    and one all_reduce of `[B, T, H]` float32."""
+    from dlmrt.export.models.residual import Residual
+
+    z, normalizer = _mixture(scaled_logits, weight, offset, vocab_size, gather, all_reduce, weight.dtype)
+    certainty = (1.0 - normalizer.entropy / math.log(vocab_size)).to(torch.float32)
+    return Residual(z.to(weight.dtype), certainty)

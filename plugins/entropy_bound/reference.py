@@ -124,11 +124,38 @@ def accept_by_entropy(token_entropy: Tensor, entropy_bound: Tensor) -> Tensor:
     return torch.zeros_like(take).scatter(-1, order, take)
 
 
+def gumbel_scores(scaled_logits: Tensor, seed: Tensor, step: Tensor, positions: Tensor, offset: int = 0) -> Tensor:
+    """float64 `[B, W, n]`: the Gumbel-max scores z_v - log(-log u_v), whose argmax (the first maximum) is
+    the sample. `scaled_logits` may be the slice of the vocabulary starting at `offset` (a rank's shard):
+    the noise is drawn with the global vocabulary indices, so a slice's scores are the whole vocabulary's."""
+    vocab = torch.arange(offset, offset + scaled_logits.shape[-1], device=scaled_logits.device)
+    u = uniform(seed, step, positions, vocab)
+    return scaled_logits.to(torch.float64) - torch.log(-torch.log(u))
+
+
 def gumbel_sample(scaled_logits: Tensor, seed: Tensor, step: Tensor, positions: Tensor) -> Tensor:
     """`[B, W]` int64: a sample from softmax(scaled_logits) by Gumbel-max in float64."""
-    vocab = torch.arange(scaled_logits.shape[-1], device=scaled_logits.device)
-    u = uniform(seed, step, positions, vocab)
-    return (scaled_logits.to(torch.float64) - torch.log(-torch.log(u))).argmax(-1)
+    return gumbel_scores(scaled_logits, seed, step, positions).argmax(-1)
+
+
+def scale(logits: Tensor, params: RenoiseParams) -> Tensor:
+    """The step's logits `[B, W, n]` divided by each row's temperature (float32)."""
+    return logits / params.temperature[:, None, None]
+
+
+def renoise(token_entropy: Tensor, sample: Tensor, argmax: Tensor, scaled_logits: Tensor, canvas: Tensor,
+            positions: Tensor, params: RenoiseParams, vocab_size: int, finished: Tensor | None = None
+            ) -> RenoiseResult:
+    """The step's decision, from each position's entropy `[B, W]` (float32), sample and argmax `[B, W]`:
+    which samples the next canvas keeps, and fresh tokens for the others. Every form of the step (this
+    module's `entropy_bound_step`, the vocabulary-parallel one of `dlmrt.parallel.vocab`) ends here."""
+    accepted = accept_by_entropy(token_entropy, params.entropy_bound)
+    refill = random_tokens(params.seed, params.step + 1, positions, vocab_size)
+    next_canvas = torch.where(accepted, sample, refill)
+    if finished is not None:
+        accepted = accepted & ~finished[:, None]
+        next_canvas = torch.where(finished[:, None], canvas, next_canvas)
+    return RenoiseResult(next_canvas, argmax, scaled_logits, accepted, token_entropy.mean(-1))
 
 
 def entropy_bound_step(logits: Tensor, canvas: Tensor, positions: Tensor, params: RenoiseParams, *,
@@ -140,17 +167,10 @@ def entropy_bound_step(logits: Tensor, canvas: Tensor, positions: Tensor, params
     `canvas` is what a row in `finished [B]` (a row that stopped already) keeps, accepting nothing,
     as the public loop keeps a stopped row's canvas. Such a row's argmax and scaled logits, the
     previous step's in the public loop, are the caller's to keep."""
-    vocab_size = logits.shape[-1]
-    scaled = logits / params.temperature[:, None, None]
-    token_entropy = entropy(scaled)
-    accepted = accept_by_entropy(token_entropy, params.entropy_bound)
+    scaled = scale(logits, params)
     sample = gumbel_sample(scaled, params.seed, params.step, positions)
-    refill = random_tokens(params.seed, params.step + 1, positions, vocab_size)
-    next_canvas = torch.where(accepted, sample, refill)
-    if finished is not None:
-        accepted = accepted & ~finished[:, None]
-        next_canvas = torch.where(finished[:, None], canvas, next_canvas)
-    return RenoiseResult(next_canvas, scaled.argmax(-1), scaled, accepted, token_entropy.mean(-1))
+    return renoise(entropy(scaled), sample, scaled.argmax(-1), scaled, canvas, positions, params, logits.shape[-1],
+                   finished)
 
 
 def stability(argmax: Tensor, previous_argmax: Tensor, stable_run: Tensor) -> Tensor:

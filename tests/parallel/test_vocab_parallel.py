@@ -13,15 +13,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import pytest
 import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from dlmrt.export.models.diffusion_gemma import DiffusionGemma
 from dlmrt.parallel import vocab
-from dlmrt.parallel.vocab import (STAT_COUNT, combine, shard_statistics, step_exchange_bytes, vocab_parallel_residual,
-                                  vocab_parallel_unmask)
+from dlmrt.parallel.vocab import (STAT_COUNT, combine, renoise_exchange_bytes, shard_statistics, step_exchange_bytes,
+                                  vocab_parallel_entropy_bound_step, vocab_parallel_residual,
+                                  vocab_parallel_soft_tokens, vocab_parallel_unmask)
+from dlmrt.plugins.entropy_bound import RenoiseParams, entropy, entropy_bound_step, gumbel_sample
 from dlmrt.plugins.parallel_unmask import MEASURE_CODES, EditParams, UnmaskParams, parallel_unmask, strictly_above
 from dlmrt.plugins.parallel_unmask.reference import candidate_probability, candidates
 from dlmrt.plugins.residual_context.reference import residual_context
@@ -494,6 +498,162 @@ def test_residual_of_the_tiny_models_vocabulary(shards, dtype):
     logits[0, 0] = 0.0  # uniform: certainty 0
     logits[0, 1, 5] = 1e4  # one token: certainty 1
     check_residual(logits, (torch.randn(43, 32, generator=g) * 0.05).to(dtype), shards)
+
+
+# -- DiffusionGemma's uniform-noise step -----------------------------------------------------
+
+def acceptance_comparisons(token_entropy: torch.Tensor, bound: torch.Tensor) -> list[torch.Tensor]:
+    """Every comparison `accept_by_entropy` makes, per row: the order of each pair of entropies and each
+    sorted place's sum before it against the bound (float64, as it sums)."""
+    pairs = (token_entropy[:, :, None] > token_entropy[:, None, :]).long() - \
+        (token_entropy[:, :, None] < token_entropy[:, None, :]).long()
+    ranked = token_entropy.sort(dim=-1, stable=True).values.to(torch.float64)
+    before = torch.nn.functional.pad(ranked.cumsum(-1)[..., :-1], (1, 0))
+    return [pairs.flatten(1), before <= bound.to(torch.float64)[:, None]]
+
+
+def check_renoise(logits: torch.Tensor, canvas: torch.Tensor, positions: torch.Tensor, params: RenoiseParams,
+                  shards: list[tuple[int, int]], finished: torch.Tensor | None = None) -> torch.Tensor:
+    """The vocabulary-parallel entropy-bound step on every simulated rank against `entropy_bound_step` on the
+    full logits; returns `[B]` bool, the rows decided exactly as the reference decides them."""
+    batch, width, vocab_size = logits.shape
+    ref = entropy_bound_step(logits, canvas, positions, params, finished=finished)
+    group = SimulatedGroup(len(shards))
+
+    def step(rank, gather, all_reduce):
+        start, end = shards[rank]
+        return vocab_parallel_entropy_bound_step(logits[..., start:end], canvas, positions, params, offset=start,
+                                                 vocab_size=vocab_size, gather=gather, finished=finished)
+
+    results = group.run(step)
+    stats = []
+    for rank, calls in enumerate(group.calls):
+        assert [op for op, _ in calls] == ["all_gather"]
+        sent = calls[0][1]
+        assert sent.shape == (batch, width, vocab.RENOISE_STAT_COUNT) and sent.dtype == torch.float64
+        assert renoise_exchange_bytes(batch, width, len(shards)) == (len(shards) - 1) * sent.nbytes
+        stats.append(sent)
+    for rank, result in enumerate(results):
+        start, end = shards[rank]
+        assert torch.equal(result.scaled_logits, ref.scaled_logits[..., start:end])  # this rank's shard of them
+        for name in ("canvas", "argmax", "accepted", "mean_entropy"):
+            assert _same(getattr(result, name), getattr(results[0], name)), name
+    out = results[0]
+    # The argmax and the sample, bit for bit; the entropies to float32 rounding.
+    assert torch.equal(out.argmax, ref.argmax)
+    gathered = torch.stack(stats)
+    sample = vocab._winner(gathered, vocab._SAMPLE_SCORE, vocab._SAMPLE_INDEX)
+    assert torch.equal(sample, gumbel_sample(ref.scaled_logits, params.seed, params.step, positions))
+    token_entropy = vocab._combine_normalizer(gathered).entropy.float()
+    ref_entropy = entropy(ref.scaled_logits)
+    torch.testing.assert_close(token_entropy, ref_entropy, rtol=CONFIDENCE_TOLERANCE, atol=CONFIDENCE_TOLERANCE)
+    torch.testing.assert_close(out.mean_entropy, ref.mean_entropy, rtol=CONFIDENCE_TOLERANCE,
+                               atol=CONFIDENCE_TOLERANCE)
+    alike = rows_decided_alike(acceptance_comparisons(ref_entropy, params.entropy_bound),
+                               acceptance_comparisons(token_entropy, params.entropy_bound))
+    assert torch.equal(out.canvas[alike], ref.canvas[alike])
+    assert torch.equal(out.accepted[alike], ref.accepted[alike])
+    return alike
+
+
+def renoise_params(batch: int, *, temperature=0.8, entropy_bound=1.0, seed=0, step=0) -> RenoiseParams:
+    def row(value, dtype):
+        return torch.tensor(value if isinstance(value, list) else [value] * batch, dtype=dtype)
+
+    return RenoiseParams(row(temperature, torch.float32), row(entropy_bound, torch.float32), row(seed, torch.long),
+                         row(step, torch.long))
+
+
+@st.composite
+def renoise_cases(draw):
+    vocab_size = draw(st.sampled_from([2, 5, 43, 43, 64]) | st.integers(2, 50))
+    world = draw(st.integers(1, min(4, vocab_size)))
+    if draw(st.booleans()):
+        shards = even_split(vocab_size, world)
+    else:
+        cuts = draw(st.lists(st.integers(1, vocab_size - 1), min_size=world - 1, max_size=world - 1, unique=True))
+        shards = split_at(sorted(cuts), vocab_size)
+    batch, width = draw(st.integers(1, 4)), draw(st.integers(1, 8))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
+    logits = torch.randn(batch, width, vocab_size, generator=g) * draw(st.sampled_from([0.3, 2.0, 8.0, 40.0]))
+    if draw(st.booleans()):
+        logits = logits.round()
+    if draw(st.booleans()):
+        top = logits.amax(-1, keepdim=True)
+        logits = logits.scatter(-1, torch.randint(vocab_size, (batch, width, 1), generator=g), top)
+    if draw(st.booleans()):
+        logits = logits.masked_fill(torch.rand(logits.shape, generator=g) < 0.3, -INF)
+        logits[..., 0] = 0.0
+    def rows(values):
+        return draw(st.lists(values, min_size=batch, max_size=batch))
+
+    params = renoise_params(batch, temperature=rows(st.sampled_from([0.4, 0.6125, 0.8, 1.0, 1.7])),
+                            entropy_bound=rows(st.sampled_from([0.0, 0.3, 1.0, 2.5, 10.0, 1e9])),
+                            seed=rows(st.integers(0, 2**40)), step=rows(st.integers(0, 60)))
+    canvas = torch.randint(vocab_size, (batch, width), generator=g)
+    positions = torch.arange(width)[None] + torch.randint(0, 50, (batch, 1), generator=g)
+    finished = torch.rand(batch, generator=g) < 0.3 if draw(st.booleans()) else None
+    return dict(logits=logits, canvas=canvas, positions=positions, params=params, shards=shards, finished=finished)
+
+
+@CASES
+@given(renoise_cases())
+def test_random_entropy_bound_steps_match_the_reference(case):
+    alike = check_renoise(**case)
+    event("every row decided as the reference" if bool(alike.all()) else "a row on a float32 rounding boundary")
+
+
+def test_entropy_bound_step_ties_and_the_tiny_models_vocabulary():
+    vocab_size, batch, width = 43, 3, 16
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(batch, width, vocab_size, generator=g) * 3
+    logits[0, 0, [5, 30]] = 20.0  # equal maxima in shards 0 and 1 (of 22 + 21): 5
+    logits[0, 1, [21, 22]] = 21.0  # either side of the boundary: 21
+    logits[0, 2, :] = 0.0  # every entry ties: 0
+    logits[1, :, :] = -INF  # one possible token per position (entropy 0)
+    logits[1, torch.arange(width), torch.arange(width) * 2] = 1.0
+    params = renoise_params(batch, temperature=[0.8, 1.0, 0.5], entropy_bound=[2.0, 0.0, 5.0], seed=[7, 8, 9],
+                            step=[0, 3, 11])
+    canvas = torch.randint(vocab_size, (batch, width), generator=g)
+    positions = torch.arange(width)[None].expand(batch, width) + 4
+    for shards in ([(0, 43)], even_split(vocab_size, 2), even_split(vocab_size, 3), [(0, 1), (1, 22), (22, 43)]):
+        for finished in (None, torch.tensor([False, True, False])):
+            assert check_renoise(logits, canvas, positions, params, shards, finished).all()
+    ref = entropy_bound_step(logits, canvas, positions, params)
+    assert ref.argmax[0, :3].tolist() == [5, 21, 0]
+    assert ref.accepted[1].all()  # entropies of 0 fit any bound
+
+
+def check_soft_tokens(scaled: torch.Tensor, weight: torch.Tensor, shards: list[tuple[int, int]]):
+    vocab_size = scaled.shape[-1]
+    model = SimpleNamespace(input_embedding=lambda: SimpleNamespace(weight=weight))
+    z_ref, certainty_ref = DiffusionGemma.soft_tokens(model, scaled)
+    group = SimulatedGroup(len(shards))
+
+    def step(rank, gather, all_reduce):
+        start, end = shards[rank]
+        return vocab_parallel_soft_tokens(scaled[..., start:end], weight[start:end], offset=start,
+                                          vocab_size=vocab_size, gather=gather, all_reduce=all_reduce)
+
+    for z, certainty in group.run(step):
+        assert z.dtype == z_ref.dtype and certainty.dtype == certainty_ref.dtype == torch.float32
+        torch.testing.assert_close(certainty, certainty_ref, rtol=0, atol=1e-6)
+        if weight.dtype == torch.float32:
+            torch.testing.assert_close(z, z_ref, rtol=1e-6, atol=1e-6)
+        else:  # p and the sum rounded to the weight's dtype: at most a step of it apart
+            torch.testing.assert_close(z.float(), z_ref.float(), rtol=2 ** -7, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shards", [[(0, 43)], [(0, 22), (22, 43)], [(0, 1), (1, 30), (30, 43)],
+                                    [(0, 11), (11, 22), (22, 33), (33, 43)]])
+def test_soft_tokens(shards, dtype):
+    g = torch.Generator().manual_seed(4)
+    scaled = torch.randn(2, 16, 43, generator=g) * 4
+    scaled[0, 0] = 0.0  # uniform: certainty 0
+    scaled[0, 1, :] = -INF  # one possible token: certainty 1
+    scaled[0, 1, 7] = 3.0
+    check_soft_tokens(scaled, (torch.randn(43, 32, generator=g) * 0.05).to(dtype), shards)
 
 
 # -- real ranks ----------------------------------------------------------------------------
