@@ -11,6 +11,13 @@ expert on every token, weighted by the local columns of the routing matrix). One
 (sum) of that partial output then gives every rank the full routed output. Tokens are not
 dispatched: each rank holds all of them (the activations are replicated, as under TP).
 
+The sharded modules replace the originals in place: LLaDA2's `MoE` becomes `ExpertParallelMoE`
+(experts under their global indices, `experts["5"]`, so a rank's state-dict names are the full
+model's), DiffusionGemma's `Experts` becomes `ExpertParallelExperts` (stacks of E/R rows, copied:
+the full stacks are freed). Both keep `start`, `stop` (this rank's experts), `num_experts` (E) and
+`ranks`. In a fixed-shape graph each rank runs E/R experts on every token (the single-process graph
+runs E).
+
 Collectives, per forward of N = batch x length tokens through a model with L MoE layers and hidden
 size H, activations of `b` bytes per value (4 for float32, 2 for bfloat16):
 
@@ -26,9 +33,10 @@ still issues a single collective. `shared_is_partial` says how:
 
 - False (the default, EP only: the shared experts are replicated): only rank 0 adds
   `shared_experts(x)`; the others add nothing, and the sum over ranks counts it once.
-- True (set by TP code that has split the shared experts, gate/up by columns and down by rows,
-  with no all-reduce of their own): every rank adds its `shared_experts(x)`, a partial output whose
-  sum over ranks is the shared experts' output.
+- True (set by TP code that has split the shared experts, gate/up column-parallel (their output
+  features split), down row-parallel (its input features split), with no all-reduce of their own):
+  every rank adds its `shared_experts(x)`, a partial output whose sum over ranks is the shared
+  experts' output.
 
 DiffusionGemma's routed output goes through `post_feedforward_layernorm_2`, a nonlinearity, so the
 all-reduce sits inside `Experts.forward`, before that norm; its dense MLP is outside this module.
@@ -36,7 +44,8 @@ all-reduce sits inside `Experts.forward`, before that norm; its dense MLP is out
 Numerics: the experts' outputs are summed per rank, then across ranks, in another order than the
 single-process model's, so float32 logits agree to about 1e-5, not bitwise. The all-reduce carries
 the activations' dtype (LLaDA2 sums each rank's experts in float32 and rounds that partial once to
-the activations' dtype before the sum, as the single-process model rounds the full sum once).
+the activations' dtype before the sum, as the single-process model rounds the full sum once). In
+bfloat16 that is one more rounding per rank; a routing choice near a tie may then flip downstream.
 
 A world of 1 leaves the model as it is (no collectives).
 """

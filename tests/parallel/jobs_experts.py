@@ -7,14 +7,18 @@ torch tensor crosses the process boundary."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import time
+import weakref
 from pathlib import Path
 
 import torch
 
 from dlmrt.export import models
 from dlmrt.export.models import diffusion_gemma, llada2_moe
+from dlmrt.export.models.layers import SwiGLU
 from dlmrt.parallel.experts import ExpertParallelExperts, ExpertParallelMoE, shard_experts
 from dlmrt.parallel.ranks import Ranks
 from helpers import LLADA2, random_model
@@ -117,10 +121,31 @@ def _choices(model, family: str, inputs) -> list[torch.Tensor]:
     return chosen
 
 
-def _favour_first_half(model, amount: float) -> None:
-    """LLaDA2: push every router's choice onto the first half of the experts (rank 0's)."""
+@contextlib.contextmanager
+def _first_half_chosen(model):
+    """LLaDA2: every router's choice pushed onto the first half of the experts (rank 0's), then restored."""
+    saved = [router.expert_bias.clone() for router in _routers(model)]
     for router in _routers(model):
-        router.expert_bias[: router.expert_bias.shape[0] // 2] += amount
+        router.expert_bias[: router.expert_bias.shape[0] // 2] += 100.0
+    try:
+        yield
+    finally:
+        for router, bias in zip(_routers(model), saved):
+            router.expert_bias.copy_(bias)
+
+
+def _split_shared_experts(model, ranks: Ranks) -> None:
+    """What TP does to LLaDA2's shared experts: gate and up split by output rows, down by input columns,
+    no collective of their own; `shared_is_partial` then makes every rank add its part."""
+    for module in model.modules():
+        if isinstance(module, ExpertParallelMoE) and module.shared_experts is not None:
+            shared = module.shared_experts
+            part = ranks.shard(shared.gate_proj.out_features)
+            split = SwiGLU(shared.gate_proj.in_features, part.stop - part.start)
+            split.gate_proj.weight.copy_(shared.gate_proj.weight[part])
+            split.up_proj.weight.copy_(shared.up_proj.weight[part])
+            split.down_proj.weight.copy_(shared.down_proj.weight[:, part])
+            module.shared_experts, module.shared_is_partial = split, True
 
 
 def eager_job(ranks: Ranks, families: tuple[str, ...]) -> dict:
@@ -138,20 +163,30 @@ def _eager(ranks: Ranks, family: str) -> dict:
         expected = _step(family, model, inputs)
         choices = _choices(model, family, inputs)
         if family == "llada2_moe":
-            _favour_first_half(model, 100.0)
-            expected_idle = _step(family, model, inputs)
-            _favour_first_half(model, -100.0)
+            with _first_half_chosen(model):
+                expected_idle = _step(family, model, inputs)
+        old_experts = [weakref.ref(p) for name, p in model.named_parameters()
+                       if ".experts." in name and "shared_experts" not in name]
         shard_experts(model, ranks)
         ranks.log.clear()
         eager = _step(family, model, inputs)
         result["calls"] = list(ranks.log.calls)
         if family == "llada2_moe":  # rank 1 computes nothing, yet joins each all-reduce
-            _favour_first_half(model, 100.0)
-            ranks.log.clear()
-            idle = _step(family, model, inputs)
+            with _first_half_chosen(model):
+                ranks.log.clear()
+                idle = _step(family, model, inputs)
             result["idle_calls"] = list(ranks.log.calls)
             result["idle_difference"] = _max_difference(idle, expected_idle)
-            _favour_first_half(model, -100.0)
+    gc.collect()
+    result["old_expert_parameters_alive"] = sum(p().numel() for p in old_experts if p() is not None)
+    result["parameters"] = sum(p.numel() for p in model.parameters())
+    if family == "llada2_moe":
+        with torch.no_grad():
+            _split_shared_experts(model, ranks)  # as TP would, then every rank adds its part
+            ranks.log.clear()
+            split = _step(family, model, inputs)
+            result["split_shared_calls"] = list(ranks.log.calls)
+            result["split_shared_difference"] = _max_difference(split, expected)
     kept = expert_tensors(model)
     half = model_experts(family, model) // ranks.world
     return result | {
@@ -174,7 +209,6 @@ def _eager(ranks: Ranks, family: str) -> dict:
         "full_names": sorted(full_experts),
         "kept_own_storage": all(t.untyped_storage().nbytes() == t.numel() * t.element_size()
                                 for t in kept.values()),
-        "parameters": sum(p.numel() for p in model.parameters()),
         "full_parameters": full_parameters,
         "expert_parameters": sum(t.numel() for t in kept.values()),
         "full_expert_parameters": sum(t.numel() for t in full_experts.values()),

@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 
 from dlmrt.core.errors import ArgumentError
+from dlmrt.export import models
 from dlmrt.parallel.experts import allowed_expert_worlds, check_expert_split, shard_experts
 from dlmrt.parallel.launch import run_ranks
 from dlmrt.parallel.ranks import Ranks
-from parallel.jobs_experts import build, compiled_job, eager_job
+from parallel.jobs_experts import build, compiled_job, eager_job, gemma_config
 
 WORLD = 2
 FAMILIES = ("llada2_moe", "diffusion_gemma")
@@ -56,6 +57,15 @@ def test_a_rank_whose_experts_no_token_chose_still_joins_the_sum(eager):
         assert rank["idle_calls"] == rank["calls"]
 
 
+def test_shared_experts_split_by_tp_are_added_by_every_rank_before_the_one_all_reduce(eager):
+    """The contract with TP: with LLaDA2's shared experts split across the ranks (gate/up by rows, down
+    by columns) and `shared_is_partial` set, every rank adds its part, still in one all-reduce per layer."""
+    for result in eager:
+        rank = result["llada2_moe"]
+        assert rank["split_shared_difference"] <= TOLERANCE, rank["split_shared_difference"]
+        assert rank["split_shared_calls"] == rank["calls"]
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_each_rank_keeps_only_its_slice_of_the_experts(eager, family):
     for index, result in enumerate(eager):
@@ -64,6 +74,8 @@ def test_each_rank_keeps_only_its_slice_of_the_experts(eager, family):
         part = experts // WORLD
         assert rank["kept_experts"] == [list(range(index * part, (index + 1) * part))] * layers
         assert rank["kept_match"] and rank["kept_own_storage"]  # the right weights, not views of the full stacks
+        # the other experts' weights are freed: of the full model's expert parameters, only the kept live on
+        assert rank["old_expert_parameters_alive"] == (rank["expert_parameters"] if family == "llada2_moe" else 0)
         assert rank["expert_parameters"] * WORLD == rank["full_expert_parameters"]
         assert rank["parameters"] == rank["full_parameters"] - rank["full_expert_parameters"] // WORLD
         if family == "llada2_moe":  # the full model's names, for this rank's experts only
@@ -103,10 +115,22 @@ def test_experts_that_do_not_split_evenly_are_refused_in_one_line(family):
         message = str(error.value)
         assert "\n" not in message
         assert f"--ep {world}" in message and "8 experts" in message
-        assert "allowed --ep values: 1, 2, 4, 8" in message
+        assert message.endswith("allowed --ep values: 1, 2, 4, 8")
     with pytest.raises(ArgumentError, match="--ep 3"):  # before any collective: no process group here
         shard_experts(model, Ranks(0, 3))
     assert allowed_expert_worlds(128) == [1, 2, 4, 8, 16, 32, 64, 128]
+
+
+def test_the_split_is_checked_on_a_module_tree_without_weights():
+    """The CLI can check --ep before any rank starts and before any weight is read: on the meta-device
+    tree that `models.build` makes from config.json (here 128 experts, as DiffusionGemma 26B-A4B has)."""
+    raw = gemma_config()
+    raw["text_config"]["num_experts"] = 128
+    model = models.build(raw, "config.json", None, device="meta")
+    check_expert_split(model, 8)
+    allowed = "1, 2, 4, 8, 16, 32, 64, 128"
+    with pytest.raises(ArgumentError, match=rf"^--ep 6 does not divide the 128 experts .*: {allowed}$"):
+        check_expert_split(model, 6)
 
 
 def test_a_model_without_experts_is_refused_for_ep_above_one():
