@@ -17,6 +17,7 @@ from dlmrt.core.errors import ArgumentError
 from dlmrt.export.models import Denoiser
 from dlmrt.export.models.residual import Residual
 from dlmrt.export.step_graph import StepGraph, check_unmask
+from dlmrt.plugins.entropy_bound import RenoiseParams, RenoiseResult, entropy_bound_step
 from dlmrt.runtime import onednn
 from dlmrt.runtime.backend import Backend, ModelSpec
 from dlmrt.runtime.uniform_state import CacheGroup, UniformState
@@ -152,3 +153,9 @@ class _TorchUniformGraphs:
 
     def soft_tokens(self, scaled_logits: Tensor) -> Tensor:
         return self.model.soft_tokens(scaled_logits).z
+
+    def entropy_bound_step(self, logits: Tensor, canvas: Tensor, positions: Tensor, params: RenoiseParams,
+                           finished: Tensor) -> RenoiseResult:
+        if self.model.vocab_shard is not None:
+            return self.model.vocab_shard.entropy_bound_step(logits, canvas, positions, params, finished)
+        return entropy_bound_step(logits, canvas, positions, params, finished=finished)

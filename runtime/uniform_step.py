@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from torch import Tensor
 
-from dlmrt.plugins.entropy_bound import RenoiseParams, entropy_bound_step, should_stop, stability
+from dlmrt.plugins.entropy_bound import RenoiseParams, RenoiseResult, entropy_bound_step, should_stop, stability
 from dlmrt.runtime.uniform_state import UniformState
 
 if TYPE_CHECKING:
@@ -25,6 +25,11 @@ class UniformGraphs(Protocol):
     def decode(self, state: UniformState) -> Tensor: ...
 
     def soft_tokens(self, scaled_logits: Tensor) -> Tensor: ...
+
+    def entropy_bound_step(self, logits: Tensor, canvas: Tensor, positions: Tensor, params: RenoiseParams,
+                           finished: Tensor) -> RenoiseResult:
+        """`dlmrt::EntropyBoundStep` on what `decode` returned: the whole vocabulary's logits, or on a
+        tensor-parallel rank its slice (`dlmrt.parallel.vocab`)."""
 
 
 class BoundUniformGraphs:
@@ -55,6 +60,10 @@ class BoundUniformGraphs:
         self._soft_tokens()
         return self.z
 
+    def entropy_bound_step(self, logits: Tensor, canvas: Tensor, positions: Tensor, params: RenoiseParams,
+                           finished: Tensor) -> RenoiseResult:
+        return entropy_bound_step(logits, canvas, positions, params, finished=finished)
+
 
 @dataclass(frozen=True)
 class UniformStep:
@@ -81,7 +90,7 @@ def step(state: UniformState, graphs: UniformGraphs) -> None:
     logits = graphs.decode(state)
     temperature = state.temperatures.gather(1, torch.minimum(state.block_step, state.last_step)[:, None])[:, 0]
     params = RenoiseParams(temperature, state.entropy_bound, state.seed, state.block_step)
-    result = entropy_bound_step(logits, state.block_ids, state.positions, params, finished=state.done)
+    result = graphs.entropy_bound_step(logits, state.block_ids, state.positions, params, state.done)
     argmax = torch.where(state.done[:, None], state.argmax, result.argmax)
     state.stable_run.copy_(stability(argmax, state.argmax, state.stable_run))
     state.forwards.add_((~state.done).long())

@@ -34,9 +34,10 @@ from dlmrt.runtime.torch_backend import TorchBackend
 MODELS = {"tiny-llada": (TINY_MODEL_DIR, GenerationSettings(16, 8, Threshold(0.9), cache="dual")),
           "tiny-diffusion-gemma": (TINY_MODEL_DIR.parent / "tiny-diffusion-gemma", None)}
 PROMPTS = ["add:762+139=", "rev:hello=", "sort:dcba="]
-DECODING_OPTIONS = ("block_length", "policy", "steps", "remasking", "threshold", "factor", "confidence", "minimal_topk",
-                    "editing_threshold", "max_post_steps", "preset", "entropy_bound", "cache", "max_block_steps",
-                    "steps_per_sync", "temperature", "cfg_scale", "seed")
+DECODING_OPTIONS = ("block_length", "policy", "steps", "threshold", "factor", "editing_threshold", "max_post_steps",
+                    "preset", "entropy_bound", "max_block_steps", "steps_per_sync")
+COMMAND_LINE_DEFAULTS = {"gen_length": 16, "remasking": "low_confidence", "confidence": "prob", "minimal_topk": 1,
+                         "cache": "none", "temperature": 0.0, "cfg_scale": 0.0, "seed": 0}  # dlmrt generate's
 
 
 def decode(ranks, model_dir: Path, settings, mode: str, device: str) -> dict:
@@ -48,7 +49,7 @@ def decode(ranks, model_dir: Path, settings, mode: str, device: str) -> dict:
     if ranks is not None:
         shard_model(model, ranks)
     if settings is None:  # the model's own defaults (DiffusionGemma's entropy-bound policy)
-        settings = settings_with_defaults(model, **dict.fromkeys(DECODING_OPTIONS), gen_length=16)
+        settings = settings_with_defaults(model, **dict.fromkeys(DECODING_OPTIONS), **COMMAND_LINE_DEFAULTS)
     generator = Generator(TorchBackend(model, mode=mode))
     prompts = [text.encode(model, prompt) for prompt in PROMPTS]
     generator.generate(prompts, settings)  # compiles or captures
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", default=None, help="comma-separated [cuda: eager,cudagraph; cpu: eager,compile]")
     parser.add_argument("--json", type=Path, default=None, help="write the rows here")
     args = parser.parse_args(argv)
-    console = Console()
+    console = Console(width=120)
     world = min(args.ranks, torch.cuda.device_count()) if args.device == "cuda" else args.ranks
     if args.device == "cuda" and world == 1:
         console.print("one GPU here: running one NCCL rank (the split path over a group of one)")

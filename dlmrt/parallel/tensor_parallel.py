@@ -107,6 +107,20 @@ class VocabShard:
         return vocab_parallel_unmask(logits, ids, positions, params, offset=self.rows.start,
                                      vocab_size=self.vocab_size, gather=self.ranks.all_gather, **options)
 
+    def entropy_bound_step(self, logits: Tensor, canvas: Tensor, positions: Tensor, params, finished: Tensor):
+        from dlmrt.parallel.vocab import vocab_parallel_entropy_bound_step
+
+        return vocab_parallel_entropy_bound_step(logits, canvas, positions, params, offset=self.rows.start,
+                                                 vocab_size=self.vocab_size, gather=self.ranks.all_gather,
+                                                 finished=finished)
+
+    def soft_tokens(self, scaled_logits: Tensor, embedding: Tensor):
+        from dlmrt.parallel.vocab import vocab_parallel_soft_tokens
+
+        return vocab_parallel_soft_tokens(scaled_logits, embedding[self.rows], offset=self.rows.start,
+                                          vocab_size=self.vocab_size, gather=self.ranks.all_gather,
+                                          all_reduce=self.ranks.all_reduce)
+
     def residual(self, logits: Tensor, embedding: Tensor):
         from dlmrt.parallel.vocab import vocab_parallel_residual
 

@@ -373,7 +373,7 @@ class DiffusionGemma(Denoiser):
         z = softmax(logits) @ E, with the distribution's certainty 1 - H / log V beside it."""
         weight = self.input_embedding().weight
         if self.vocab_shard is not None:  # a tensor-parallel rank's logits are its vocabulary slice
-            return self.vocab_shard.residual(scaled_logits.float(), weight)
+            return self.vocab_shard.soft_tokens(scaled_logits.float(), weight)
         p = F.softmax(scaled_logits.float(), dim=-1)
         z = p.to(weight.dtype) @ weight
         entropy = -(p * F.log_softmax(scaled_logits.float(), dim=-1)).nan_to_num().sum(-1)
