@@ -19,6 +19,9 @@
 #   latency-eager-cudagraph  scripts/bench_step_latency.py on LLaDA-8B shapes (random bf16 weights made on
 #                            the GPU): ms per step at K = 1 and a whole block against the HBM floor, and the
 #                            unmask step's Triton kernels against the torch reference
+#   nccl-tp                  scripts/tp_check.py: the tiny LLaDA and DiffusionGemma split over NCCL ranks (one per GPU,
+#                            at most 2; one GPU runs one NCCL rank and says so), tokens against one process, eager
+#                            and CUDA graphs
 #   bench-diffusion-gemma    `dlmrt bench` on the tiny DiffusionGemma's uniform-noise loop, eager vs CUDA graphs
 #   parity-cudagraph         the step loop's other parity tests (every test taking the `loop` fixture in
 #                            tests/runtime/test_generator.py, test_llada21.py, test_dream_decoding.py: about
@@ -213,6 +216,7 @@ step parity-cudagraph-first 90 "${pytest[@]}" $(per_test 60) --loop-modes cudagr
     --junitxml "$work/parity-cudagraph-first.xml" "${first_parity[@]}"
 step latency-eager-cudagraph 120 "$python" scripts/bench_step_latency.py --modes eager,cudagraph \
     --json "$work/json/latency-eager-cudagraph.json"
+step nccl-tp 90 "$python" scripts/tp_check.py --device cuda --ranks 2 --json "$work/json/nccl-tp.json"
 step bench-diffusion-gemma 60 "$python" -m dlmrt.cli bench --model dlmrt/assets/tiny-diffusion-gemma --device cuda \
     --policy entropy_bound --backend torch:eager,torch:cudagraph --batch-size 4 --input-len 12 --output-len 32 \
     --block-length 16 --output-json "$work/json/bench-diffusion-gemma.json"
@@ -244,7 +248,7 @@ step latency-compile 180 "$python" scripts/bench_step_latency.py --modes compile
     --json "$work/json/latency-compile.json"
 
 # -- what comes back ----------------------------------------------------------------------------------
-for log in latency-eager-cudagraph backends bench-diffusion-gemma bench-llada-8b latency-compile; do
+for log in nccl-tp latency-eager-cudagraph backends bench-diffusion-gemma bench-llada-8b latency-compile; do
     [ -s "$work/logs/$log.log" ] || continue  # the benchmarks' own tables, before the summary
     echo "===== $log (the end of its log)"
     grep -v -E '^  (eager|compile|cudagraph) K=' "$work/logs/$log.log" | tail -n 30
