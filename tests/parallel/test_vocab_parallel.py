@@ -184,15 +184,19 @@ def block(batch: int, width: int, mask_id: int, vocab_size: int, masked: float =
 
 # -- random cases --------------------------------------------------------------------------
 
-@st.composite
-def step_cases(draw):
-    vocab_size = draw(st.sampled_from([2, 3, 5, 8, 43, 43, 64]) | st.integers(2, 50))
+def draw_shards(draw, vocab_sizes: list[int]) -> tuple[int, list[tuple[int, int]]]:
+    """A vocabulary size and its split over 1 to 4 ranks, even or at random cuts."""
+    vocab_size = draw(st.sampled_from(vocab_sizes) | st.integers(2, 50))
     world = draw(st.integers(1, min(4, vocab_size)))
     if draw(st.booleans()):
-        shards = even_split(vocab_size, world)
-    else:
-        cuts = draw(st.lists(st.integers(1, vocab_size - 1), min_size=world - 1, max_size=world - 1, unique=True))
-        shards = split_at(sorted(cuts), vocab_size)
+        return vocab_size, even_split(vocab_size, world)
+    cuts = draw(st.lists(st.integers(1, vocab_size - 1), min_size=world - 1, max_size=world - 1, unique=True))
+    return vocab_size, split_at(sorted(cuts), vocab_size)
+
+
+@st.composite
+def step_cases(draw):
+    vocab_size, shards = draw_shards(draw, [2, 3, 5, 8, 43, 43, 64])
     edges = sorted({a for a, _ in shards} | {b - 1 for _, b in shards})  # the first and last entry of each shard
     mask_id = draw(st.sampled_from(edges) | st.integers(0, vocab_size - 1))
     batch, width = draw(st.integers(1, 4)), draw(st.integers(1, 8))
@@ -566,13 +570,7 @@ def renoise_params(batch: int, *, temperature=0.8, entropy_bound=1.0, seed=0, st
 
 @st.composite
 def renoise_cases(draw):
-    vocab_size = draw(st.sampled_from([2, 5, 43, 43, 64]) | st.integers(2, 50))
-    world = draw(st.integers(1, min(4, vocab_size)))
-    if draw(st.booleans()):
-        shards = even_split(vocab_size, world)
-    else:
-        cuts = draw(st.lists(st.integers(1, vocab_size - 1), min_size=world - 1, max_size=world - 1, unique=True))
-        shards = split_at(sorted(cuts), vocab_size)
+    vocab_size, shards = draw_shards(draw, [2, 5, 43, 43, 64])
     batch, width = draw(st.integers(1, 4)), draw(st.integers(1, 8))
     g = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
     logits = torch.randn(batch, width, vocab_size, generator=g) * draw(st.sampled_from([0.3, 2.0, 8.0, 40.0]))
