@@ -624,7 +624,7 @@ def test_entropy_bound_step_ties_and_the_tiny_models_vocabulary():
 
 def check_soft_tokens(scaled: torch.Tensor, weight: torch.Tensor, shards: list[tuple[int, int]]):
     vocab_size = scaled.shape[-1]
-    model = SimpleNamespace(input_embedding=lambda: SimpleNamespace(weight=weight))
+    model = SimpleNamespace(input_embedding=lambda: SimpleNamespace(weight=weight), vocab_shard=None)
     z_ref, certainty_ref = DiffusionGemma.soft_tokens(model, scaled)
     group = SimulatedGroup(len(shards))
 
