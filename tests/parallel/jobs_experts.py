@@ -168,12 +168,12 @@ def _eager(ranks: Ranks, family: str) -> dict:
         old_experts = [weakref.ref(p) for name, p in model.named_parameters()
                        if ".experts." in name and "shared_experts" not in name]
         shard_experts(model, ranks)
-        ranks.log.clear()
+        ranks.count()
         eager = _step(family, model, inputs)
         result["calls"] = list(ranks.log.calls)
         if family == "llada2_moe":  # rank 1 computes nothing, yet joins each all-reduce
             with _first_half_chosen(model):
-                ranks.log.clear()
+                ranks.count()
                 idle = _step(family, model, inputs)
             result["idle_calls"] = list(ranks.log.calls)
             result["idle_difference"] = _max_difference(idle, expected_idle)
@@ -183,7 +183,7 @@ def _eager(ranks: Ranks, family: str) -> dict:
     if family == "llada2_moe":
         with torch.no_grad():
             _split_shared_experts(model, ranks)  # as TP would, then every rank adds its part
-            ranks.log.clear()
+            ranks.count()
             split = _step(family, model, inputs)
             result["split_shared_calls"] = list(ranks.log.calls)
             result["split_shared_difference"] = _max_difference(split, expected)

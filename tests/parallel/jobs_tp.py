@@ -47,7 +47,7 @@ def sharded_logits(ranks, make_model, ids, plan: ParallelPlan):
     model = plan.apply(make_model(), ranks)
     rows = model.vocab_shard.rows if model.vocab_shard is not None else slice(None)
     with torch.no_grad():
-        ranks.log.clear()
+        ranks.count()
         logits = model.denoise(ids).logits
     return {"logits": logits, "expected": expected[..., rows], "calls": list(ranks.log.calls)}
 
@@ -61,7 +61,7 @@ def generated_tokens(ranks, cases):
         model = make_model()
         if ranks is not None:
             plan.apply(model, ranks)
-            ranks.log.clear()
+            ranks.count()
         generator = Generator(TorchBackend(model, mode=mode))
         prompts = [text.encode(model, prompt) for prompt in PROMPTS]
         tokens, first = [], None

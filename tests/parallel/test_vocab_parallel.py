@@ -660,14 +660,13 @@ def _rank_job(ranks, logits, ids, positions, params, shards, mask_id, embedding)
     """On each of `run_ranks`' processes: the step and the residual through Ranks' collectives (gloo)."""
     start, end = shards[ranks.rank]
     vocab_size = logits.shape[-1]
+    ranks.count()
     step = vocab_parallel_unmask(logits[..., start:end], ids, positions, params, mask_id=mask_id, offset=start,
                                  vocab_size=vocab_size, gather=ranks.all_gather, confidence="margin")
     step_calls = list(ranks.log.calls)
-    ranks.log.clear()
+    ranks.count()
     residual = vocab_parallel_residual(logits[..., start:end], embedding[start:end], offset=start,
                                        vocab_size=vocab_size, gather=ranks.all_gather, all_reduce=ranks.all_reduce)
-    # plain lists: a tensor in run_ranks' result queue is shared through a file descriptor of a process
-    # that may have ended by the time the launcher reads it
     return [t.tolist() for t in step], step_calls, [t.tolist() for t in residual], list(ranks.log.calls)
 
 
