@@ -64,7 +64,8 @@ def init_rank(rank: int, world: int, device: str, timeout: timedelta):
     from dlmrt.parallel.ranks import Ranks
 
     if device.startswith("cuda"):
-        torch.cuda.set_device(rank % torch.cuda.device_count())
+        local = int(os.environ.get("LOCAL_RANK", rank))  # torchrun's rank on this node
+        torch.cuda.set_device(local % torch.cuda.device_count())
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group(_backend_for(device), rank=rank, world_size=world, timeout=timeout)
