@@ -7,6 +7,7 @@ import functools
 import json
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -17,7 +18,7 @@ from dlmrt import TINY_MODEL_DIR, __version__
 from dlmrt.core import limits
 from dlmrt.core.home import keep_compiled_steps
 from dlmrt.cli.model_param import model_param
-from dlmrt.cli.errors import UserError, guarded, reports_errors, require_onnx_extra
+from dlmrt.cli.errors import UserError, guarded, reports_errors, require_onnx_extra, show_warning
 from dlmrt.cli.types import FLOAT32, LENGTH
 from dlmrt.cli.bench import bench_command
 from dlmrt.cli.serve import serve_command
@@ -247,9 +248,12 @@ def _rank_device(backend: str, device: str) -> str:
 
 
 def _generate_on_rank(ranks, plan, run):
-    """`dlmrt generate` on one rank: rank 0 alone prints, streams and reports."""
+    """`dlmrt generate` on one rank: rank 0 alone prints, streams, reports and warns (in one line, as the
+    command does)."""
     if ranks.rank == 0:
-        return run((plan, ranks))
+        with warnings.catch_warnings():
+            warnings.showwarning = show_warning
+            return run((plan, ranks))
     with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
         return run((plan, ranks))
 

@@ -68,7 +68,7 @@ INTERNAL_ERROR_STATUS = 70  # EX_SOFTWARE, sysexits.h
 INTERRUPTED_STATUS = 130
 
 
-def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+def show_warning(message, category, filename, lineno, file=None, line=None) -> None:
     """A warning as one line on stderr: what a user should know, not where in dlmrt it was raised."""
     click.echo(f"{click.style('Warning:', fg='yellow')} {message}", err=True)
 
@@ -79,7 +79,7 @@ def guarded(command: click.Command, argv: list[str]) -> int:
     as one line naming the subcommand (70), unless debugging was asked for."""
     try:
         with warnings.catch_warnings():
-            warnings.showwarning = _show_warning
+            warnings.showwarning = show_warning
             status = command.main(argv, standalone_mode=False)  # click's own exits come back as their status
         return status if isinstance(status, int) else 0
     except click.ClickException as error:

@@ -15,6 +15,8 @@ import pytest
 from click.testing import CliRunner
 
 from dlmrt.cli.commands import main
+from dlmrt.export import checkpoint
+from helpers import LLADA, config, random_model
 
 PROMPT = ["--prompt", "add:762+139=", "--prompt", "rev:hello=", "--policy", "threshold", "--cache", "dual"]
 
@@ -74,23 +76,26 @@ def children(pid: int) -> list[int]:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds the ranks through /proc (Linux)")
-def test_killing_a_rank_ends_the_command_with_one_error_within_30_s():
-    command = subprocess.Popen([sys.executable, "-m", "dlmrt.cli", "generate", "--tp", "2", "--ignore-eos",
-                                "--gen-length", "64", "--block-length", "4", "--policy", "fixed", "--steps", "64",
-                                *PROMPT[:4]], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+def test_killing_a_rank_mid_generate_ends_the_command_with_one_error_within_30_s(tmp_path):
+    # A model large enough that its 32 blocks take seconds, streamed: the first block printed says decoding runs.
+    model = random_model(config(LLADA, d_model=256, n_heads=8, n_kv_heads=4, n_layers=6, mlp_hidden_size=1024,
+                                max_sequence_length=256))
+    model_dir = checkpoint.save(model, tmp_path / "model")
+    prompts = [f"--prompt-ids={n},{n + 1},{n + 2}" for n in range(5, 13)]
+    command = subprocess.Popen([sys.executable, "-m", "dlmrt.cli", "generate", str(model_dir), "--tp", "2",
+                                "--stream", "--ignore-eos", "--gen-length", "128", "--block-length", "4", "--policy",
+                                "fixed", "--steps", "128", *prompts],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    deadline = time.monotonic() + 120
-    ranks = []
-    while time.monotonic() < deadline and len(ranks) < 2:
-        ranks = [pid for pid in children(command.pid) if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()]
-        time.sleep(0.2)
-    assert len(ranks) == 2, "the ranks did not start"
-    time.sleep(3)  # into the run: loading the model, or decoding
+    assert command.stdout.readline(), "nothing was streamed"
+    ranks = [pid for pid in children(command.pid) if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()]
+    assert len(ranks) == 2
     os.kill(ranks[1], signal.SIGKILL)
     killed = time.monotonic()
-    _, stderr = command.communicate(timeout=60)
+    stdout, stderr = command.communicate(timeout=60)
     assert time.monotonic() - killed < 30
     assert command.returncode == 2
+    assert len(stdout.splitlines()) < 8 * 32 - 1, "the run finished before the kill"
     assert stderr.strip().splitlines()[-1] == "Error: rank 1 was killed by SIGKILL; every rank of 2 was stopped"
     assert "Traceback" not in stderr
     assert all(not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
