@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
@@ -74,3 +76,39 @@ def dlmrt_serve(*options: str):
         if server.poll() is None:
             server.kill()
             server.wait()
+
+
+@contextlib.contextmanager
+def dlmrt_serve_replicas(*options: str, ready_s: float = 240):
+    """`dlmrt serve --replicas ...` (tiny model, eager) as its own process, in a session of its own with the Ray
+    cluster it starts, on a free loopback port, once it prints its address: (the process, its port, the lines
+    it has printed, growing). Stopped with SIGTERM at the end if still running, then killed with its whole
+    process group (Ray's agents outlive a killed driver)."""
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "dlmrt.cli", "serve", "--mode", "eager", "--port", str(port),
+                               "--log-level", "warning", *options], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                              env={**os.environ, "NO_COLOR": "1"})
+    lines: list[str] = []
+
+    def read():  # as it comes, so that the pipe never fills
+        for line in server.stdout:
+            lines.append(line)
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        deadline = time.monotonic() + ready_s
+        while not any(re.match(r"dlmrt serve: \d+ replicas? ", line) for line in lines):
+            assert server.poll() is None and time.monotonic() < deadline, "".join(lines)[-3000:]
+            time.sleep(0.2)
+        yield server, port, lines
+    finally:
+        if server.poll() is None:
+            server.send_signal(signal.SIGTERM)
+            try:
+                server.wait(60)
+            except subprocess.TimeoutExpired:
+                pass
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGKILL)
+        server.wait()

@@ -63,6 +63,18 @@ def require_serve_extra() -> None:
         raise UserError(f"dlmrt serve needs {', '.join(missing)}: pip install 'dlmrt[serve]'")
 
 
+def require_ray_extra() -> None:
+    """`dlmrt serve --replicas` without Ray Serve: one line naming the extra, before anything starts."""
+    missing = _missing(("ray",))
+    if not missing:
+        try:
+            import ray.serve  # noqa: F401  (ray without its serve extra lacks its proxy's modules)
+        except ImportError as error:
+            missing = [f"ray[serve] ({error})"]
+    if missing:
+        raise UserError(f"dlmrt serve --replicas needs {', '.join(missing)}: pip install 'dlmrt[ray]'")
+
+
 DEBUG_VARIABLE = "DLMRT_DEBUG"
 INTERNAL_ERROR_STATUS = 70  # EX_SOFTWARE, sysexits.h
 INTERRUPTED_STATUS = 130

@@ -1,19 +1,41 @@
 """`dlmrt serve`: the OpenAI-compatible server (`dlmrt.serve.app`) on uvicorn, logging through uvicorn's
 loggers at --log-level (at info: the model served, the address, a line a request), under the transport's
-limits (`dlmrt.serve.transport`). SIGTERM drains the server and exits with status 0."""
+limits (`dlmrt.serve.transport`). SIGTERM drains the server and exits with status 0.
+
+With --replicas N, the same app in N replicas on Ray Serve behind its proxy (`dlmrt.serve.replicas`,
+the `ray` extra); without it, Ray is never imported."""
 
 from __future__ import annotations
 
 import copy
+import functools
+import os
 import signal
 
 import click
 
 from dlmrt.cli.backends import BACKENDS
-from dlmrt.cli.errors import reports_errors, require_serve_extra
+from dlmrt.cli.errors import UserError, reports_errors, require_ray_extra, require_serve_extra
 from dlmrt.cli.model_param import model_param
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's
+
+
+class ReplicaRange(click.ParamType):
+    """MIN:MAX replicas for autoscaling: 1 <= MIN <= MAX."""
+
+    name = "MIN:MAX"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, tuple):
+            return value
+        low, colon, high = str(value).partition(":")
+        if not (colon and low.strip().isdigit() and high.strip().isdigit()):
+            self.fail(f"{value!r} is not MIN:MAX (two whole numbers, as 1:4)", param, ctx)
+        low, high = int(low), int(high)
+        if not 1 <= low <= high:
+            self.fail(f"{value!r}: give 1 <= MIN <= MAX", param, ctx)
+        return low, high
 
 
 @click.command("serve")
@@ -49,37 +71,92 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvico
 @click.option("--served-model-name", default=None, help="The name clients use [default: the model's].")
 @click.option("--log-level", type=click.Choice(LOG_LEVELS), default="info", show_default=True,
               help="uvicorn's and dlmrt's: info logs the model, the address it listens on, and a line a request.")
+@click.option("--replicas", type=click.IntRange(1), default=None,
+              help="Serve N replicas of the model on Ray Serve (the ray extra), each with its own batch, behind "
+                   "one address; one GPU each on CUDA [default: one process, no Ray].")
+@click.option("--threads-per-replica", type=click.IntRange(1), default=None,
+              help="With --replicas: torch threads in each replica [default: the CPUs divided among the "
+                   "replicas (the most, with --autoscale), at least 1].")
+@click.option("--autoscale", type=ReplicaRange(), default=None, metavar="MIN:MAX",
+              help="With --replicas N: let Ray Serve scale between MIN and MAX replicas, from N, aiming at "
+                   "--max-batch requests a replica.")
 @reports_errors
 def serve_command(model_dir, backend, mode, device, dtype, max_batch, host, port, max_queue, request_timeout,
                   max_body_bytes, header_timeout, body_timeout, keep_alive_timeout, max_connections, shutdown_timeout,
-                  served_model_name, log_level):
+                  served_model_name, log_level, replicas, threads_per_replica, autoscale):
     """Serve the model over the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /health,
     /metrics), with continuous batching at block boundaries."""
     require_serve_extra()
+    if replicas is None and (threads_per_replica is not None or autoscale is not None):
+        raise click.UsageError("--threads-per-replica and --autoscale apply with --replicas N")
+    if autoscale is not None and not autoscale[0] <= replicas <= autoscale[1]:
+        raise click.UsageError(f"--replicas {replicas} is the count at start: it lies within --autoscale "
+                               f"{autoscale[0]}:{autoscale[1]}")
+    if replicas is not None:
+        require_ray_extra()
     import uvicorn
-    from rich.console import Console
 
-    from dlmrt.core.chat_template import load_chat_template
-    from dlmrt import TINY_MODEL_DIR
-    from dlmrt.cli.backends import open_backend
-    from dlmrt.serve.app import ServerLimits, create_app
+    from dlmrt.serve.app import ServerLimits
     from dlmrt.serve.transport import server_config
 
-    console = Console(stderr=True)
-    model, built = open_backend(backend, model_dir, dtype=dtype, mode=mode, max_batch=max_batch, device=device,
-                                engines=None, precision=None, console=console)
     limits = ServerLimits(max_queue=max_queue, request_timeout_s=request_timeout, max_body_bytes=max_body_bytes,
                           header_timeout_s=header_timeout, body_timeout_s=body_timeout,
                           keep_alive_s=keep_alive_timeout, max_connections=max_connections,
                           shutdown_timeout_s=shutdown_timeout)
-    app = create_app(model, built, limits, served_model_name,
-                     chat_template=load_chat_template(model_dir or TINY_MODEL_DIR))
+    build = functools.partial(build_app, backend, model_dir, mode=mode, device=device, dtype=dtype, max_batch=max_batch,
+                              limits=limits, served_model_name=served_model_name)
+    if replicas is not None:
+        return _serve_replicas(build, backend, model_dir, device, dtype, max_batch, limits, host, port, log_level,
+                               replicas, threads_per_replica, autoscale)
+    app = build()
     server = uvicorn.Server(server_config(app, limits, host=host, port=port, log_level=log_level,
                                           log_config=_logging(log_level)))
     # uvicorn drains on SIGTERM, then raises the signal again with the handler it found: this one makes
     # that an exit with status 0 (a supervisor reads -15 as a crash) rather than death by the signal
     signal.signal(signal.SIGTERM, _exit_cleanly)
     server.run()
+
+
+def build_app(backend, model_dir, *, mode, device, dtype, max_batch, limits, served_model_name):
+    """The server's app over the backend that the options name: what `dlmrt serve` runs, and what each of
+    its replicas builds (in its own process) under --replicas."""
+    from rich.console import Console
+
+    from dlmrt import TINY_MODEL_DIR
+    from dlmrt.cli.backends import open_backend
+    from dlmrt.core.chat_template import load_chat_template
+    from dlmrt.serve.app import create_app
+
+    model, built = open_backend(backend, model_dir, dtype=dtype, mode=mode, max_batch=max_batch, device=device,
+                                engines=None, precision=None, console=Console(stderr=True))
+    return create_app(model, built, limits, served_model_name,
+                      chat_template=load_chat_template(model_dir or TINY_MODEL_DIR))
+
+
+def _serve_replicas(build, backend, model_dir, device, dtype, max_batch, limits, host, port, log_level, replicas,
+                    threads, autoscale):
+    """--replicas: check what can be checked here, then `dlmrt.serve.replicas` until SIGINT or SIGTERM."""
+    import torch
+
+    from dlmrt.cli.backends import ensure_exported, resolve_device
+    from dlmrt.serve.replicas import ReplicaPlan, serve_replicas
+
+    if model_dir is not None and not model_dir.exists():  # before Ray starts, not in each replica
+        raise UserError(f"model directory {model_dir} does not exist")
+    most = autoscale[1] if autoscale else replicas
+    gpus = resolve_device(backend, device) == "cuda"
+    if gpus and most > torch.cuda.device_count():
+        raise click.UsageError(f"--replicas on CUDA takes a GPU a replica: {most} asked for, "
+                               f"{torch.cuda.device_count()} here")
+    if backend == "ort":  # export once here (if needed), rather than in each replica at once
+        from rich.console import Console
+
+        from dlmrt import TINY_MODEL_DIR
+
+        ensure_exported(model_dir or TINY_MODEL_DIR, dtype, Console(stderr=True))
+    plan = ReplicaPlan(replicas=replicas, threads=threads or max(1, (os.cpu_count() or 1) // most), limits=limits,
+                       max_batch=max_batch, gpus=gpus, autoscale=autoscale, log_level=log_level)
+    serve_replicas(build, plan, host=host, port=port, announce=lambda line: click.echo(line, err=True))
 
 
 def _exit_cleanly(signum, frame):

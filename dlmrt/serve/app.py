@@ -171,7 +171,7 @@ def create_app(model, backend: Backend, server_limits: ServerLimits = ServerLimi
         gc.unfreeze()
 
     app = FastAPI(title="dlmrt", docs_url=None, redoc_url=None, lifespan=lifespan)
-    app.state.scheduler = scheduler
+    app.state.scheduler, app.state.metrics = scheduler, metrics
 
     def count(error: ApiError) -> None:
         metrics.rejected.labels(error.code or str(error.status)).inc()
