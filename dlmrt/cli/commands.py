@@ -225,26 +225,19 @@ def generate(model_dir, prompts, prompt_ids, ignore_eos, backend, mode, max_batc
     plan = ParallelPlan(tp, ep)
     if not plan.parallel:
         return run(None)
+    from dlmrt.cli.backends import resolve_device
+    from dlmrt.export.checkpoint import structure
     from dlmrt.parallel import launch
 
     plan.check_backend(backend)
-    if not launch.launched_by_torchrun():
-        from dlmrt.export.checkpoint import structure
-
-        plan.check(structure(model_dir or TINY_MODEL_DIR, dtype=dtype))
-        launch.run_ranks(_generate_on_rank, plan.world, (plan, run), device=_rank_device(backend, device))
-        return None
-    launch.require_torchrun_world(plan.world, "--tp/--ep")
-    from dlmrt.export.checkpoint import structure
-
+    if launch.launched_by_torchrun():
+        launch.require_torchrun_world(plan.world, "--tp/--ep")
     plan.check(structure(model_dir or TINY_MODEL_DIR, dtype=dtype))
-    return launch.run_as_launched_rank(_generate_on_rank, (plan, run), device=_rank_device(backend, device))
-
-
-def _rank_device(backend: str, device: str) -> str:
-    from dlmrt.cli.backends import resolve_device
-
-    return resolve_device(backend, device)
+    rank_device = resolve_device(backend, device)
+    if launch.launched_by_torchrun():
+        return launch.run_as_launched_rank(_generate_on_rank, (plan, run), device=rank_device)
+    launch.run_ranks(_generate_on_rank, plan.world, (plan, run), device=rank_device)
+    return None
 
 
 def _generate_on_rank(ranks, plan, run):

@@ -186,11 +186,6 @@ def commit_count(ranked: Tensor, masked: Tensor, params: UnmaskParams) -> Tensor
     return torch.minimum(masked, wanted)
 
 
-def edits_of(logits: Tensor, ids: Tensor, x0: Tensor, edits: EditParams, mask_id: int) -> Tensor:
-    """`[B, W]` bool: the committed positions a step overwrites with x0."""
-    return edit_rule(ids, x0, candidate_probability(logits, x0), edits, mask_id)
-
-
 def candidate_probability(logits: Tensor, x0: Tensor) -> Tensor:
     """float32 `[B, W]`: p(x0), what token editing compares with its threshold."""
     return F.softmax(logits, dim=-1).gather(-1, x0[..., None]).squeeze(-1)
