@@ -29,6 +29,11 @@ if TYPE_CHECKING:
     from dlmrt.runtime.executor import StepProgram
 
 
+# Why a model split over ranks (ModelSpec.vocab_ranks) gives no log-probabilities
+VOCAB_SPLIT = ("each rank of a tensor-parallel model holds a slice of the vocabulary's logits, and dlmrt does not "
+               "combine log-probabilities across ranks yet: ask without logprobs, or run without --tp")
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """What the loop needs to know about the model behind a backend."""
@@ -53,6 +58,8 @@ class ModelSpec:
     supports_guidance: bool = True
     supports_editing: bool = True  # the graphs take token editing's inputs (exports before it do not)
     supports_logprobs: bool = True  # the step graphs can return the block's logits (exports before it cannot)
+    # Ranks the vocabulary is split over (tensor parallelism): each holds its slice of the logits, never the whole
+    vocab_ranks: int = 1
     logits_shift: int = 0  # Denoiser.logits_shift: a window over a cache starts this many positions early
     noise: str = "mask"  # Denoiser.noise: "uniform" for models with no mask token (DiffusionGemma)
 

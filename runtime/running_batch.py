@@ -79,16 +79,19 @@ def batch_key(settings: GenerationSettings) -> GenerationSettings:
 
 
 def open_batch(backend: Backend, on_step: Callable[[], None] | None = None,
-               on_progress: Callable[[list[BlockProgress]], None] | None = None) -> RunningBatch:
+               on_progress: Callable[[list[BlockProgress]], None] | None = None,
+               agree: Callable[[list[bool]], list[bool]] | None = None) -> RunningBatch:
     """An empty running batch of the backend's model: a MaskBatch, or a UniformBatch for a
-    uniform-noise model. `on_progress` is told the progress of the rows added with `provisional`."""
+    uniform-noise model. `on_progress` is told the progress of the rows added with `provisional`;
+    `agree` (tensor parallelism: dlmrt.parallel.lockstep) turns the cancel flags read here into the
+    ones every rank acts on."""
     if backend.spec.noise == "uniform":
         from dlmrt.runtime.uniform_noise import UniformBatch
 
-        return UniformBatch(backend, on_step, on_progress)
+        return UniformBatch(backend, on_step, on_progress, agree=agree)
     from dlmrt.runtime.mask_batch import MaskBatch
 
-    return MaskBatch(backend, on_step, on_progress)
+    return MaskBatch(backend, on_step, on_progress, agree=agree)
 
 
 @dataclass(kw_only=True)
@@ -133,6 +136,8 @@ class RunningBatch(ABC):
     rows: list[Row] = field(default_factory=list)  # in the batch
     waiting: list[Row] = field(default_factory=list)  # added, joining at the next block boundary
     finished: dict[object, FinishedRow] = field(default_factory=dict)
+    # The ranks of a tensor-parallel model must take the same decisions: rank 0's cancel flags, on each
+    agree: Callable[[list[bool]], list[bool]] | None = field(default=None, kw_only=True)
     key: GenerationSettings | None = None
     state: Any = None  # the bucket's static buffers
     executed: int = 0  # forwards run
@@ -263,7 +268,7 @@ class RunningBatch(ABC):
         watched = [row for row in self.rows if row.provisional]
         try:
             while taken < budget and remaining > 0:
-                cancelled = [row.cancelled for row in self.rows]  # read once: another thread sets it
+                cancelled = self._cancelled(self.rows)
                 if all(cancelled):
                     return False
                 if any(cancelled):
@@ -288,6 +293,11 @@ class RunningBatch(ABC):
             return True
         finally:
             self._steps_ended(taken, remaining, self.worked - worked_before)
+
+    def _cancelled(self, rows: Sequence[Row]) -> list[bool]:
+        """Which rows are cancelled, read once (another thread sets the flags), as every rank sees it."""
+        flags = [row.cancelled for row in rows]
+        return flags if self.agree is None else self.agree(flags)
 
     def _leave_now(self, cancelled: list[bool], worked: int, left: list[BlockUpdate]) -> int:
         """The `cancelled` rows leave in the middle of the block: their outcome is read (one host read),
@@ -326,7 +336,7 @@ class RunningBatch(ABC):
         """The tokens a finished row decoded."""
 
     def _end_block(self, every_row_cancelled: bool) -> list[BlockUpdate]:
-        cancelled = [every_row_cancelled or row.cancelled for row in self.rows]  # read once: another thread sets it
+        cancelled = [every_row_cancelled or out for out in self._cancelled(self.rows)]
         updates, keep, leaving = [], [], []
         for row, gone, outcome in zip(self.rows, cancelled, self._read_block(self.rows, cancelled)):
             update = self._update(row, -1 if gone else row.block, outcome)

@@ -6,6 +6,7 @@
     ticket.cancel()                                         # the row leaves at its next K-step boundary
     scheduler.run_between_blocks(work)                      # a concurrent Future of work() run on the worker
     scheduler.stop()                                        # after the requests admitted have finished
+    Scheduler(backend, open_batch=leader.open_batch)        # a tensor-parallel model's rank 0 (dlmrt.parallel.lockstep)
 
 Design notes: docs/runtime-modules.md#scheduler.
 """
@@ -81,8 +82,9 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, backend: Backend, max_waiting: int = 64):
-        self.backend, self.max_waiting = backend, max_waiting
+    def __init__(self, backend: Backend, max_waiting: int = 64,
+                 open_batch: Callable[..., RunningBatch] = open_batch):
+        self.backend, self.max_waiting, self._open_batch = backend, max_waiting, open_batch
         self.stats = SchedulerStats()
         self._queue: collections.deque[Ticket] = collections.deque()
         self._batch: RunningBatch | None = None
@@ -180,7 +182,7 @@ class Scheduler:
         while self._queue:
             ticket = self._queue[0]
             if self._batch is None:
-                self._batch = open_batch(self.backend, on_progress=self._progressed)
+                self._batch = self._open_batch(self.backend, on_progress=self._progressed)
             if not self._batch.accepts(ticket.settings):
                 return
             self._queue.popleft()

@@ -38,7 +38,8 @@ def spec_of(model: Denoiser) -> ModelSpec:
         max_positions=model.max_positions, mask_id=model.tokens.mask_id,
         eos_ids=tuple(model.tokens.eos_ids), pad_id=model.tokens.pad_id,
         block_causal=model.block_causal, has_residual=model.residual_config is not None,
-        dtype=model.dtype, device=model.device, logits_shift=model.logits_shift, noise=model.noise)
+        dtype=model.dtype, device=model.device, logits_shift=model.logits_shift, noise=model.noise,
+        vocab_ranks=1 if model.vocab_shard is None else model.vocab_shard.ranks.world)
 
 
 def modes_for(device: torch.device) -> tuple[str, ...]:

@@ -18,6 +18,7 @@ from dlmrt import TINY_MODEL_DIR, __version__
 from dlmrt.core import limits
 from dlmrt.core.home import keep_compiled_steps
 from dlmrt.cli.model_param import model_param
+from dlmrt.cli.parallel import checked_plan, parallel_options
 from dlmrt.cli.errors import UserError, guarded, reports_errors, require_onnx_extra, show_warning
 from dlmrt.cli.types import FLOAT32, LENGTH
 from dlmrt.cli.bench import bench_command
@@ -203,12 +204,7 @@ def backend_options(command):
 @click.option("--stream", is_flag=True, help="Print committed text block by block as it is decoded.")
 @click.option("--metrics", "show_metrics", is_flag=True, help="Print a metrics table on stderr.")
 @click.option("--json", "as_json", is_flag=True, help="Print outputs and metrics as JSON.")
-@click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Tensor parallelism: split every layer, and the vocabulary, over this many ranks (processes: gloo "
-                   "on a CPU, NCCL on GPUs). dlmrt starts them, or joins torchrun's (docs/parallelism.md).")
-@click.option("--ep", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Expert parallelism (MoE families): split the experts over this many ranks; with --tp above 1, "
-                   "equal to it.")
+@parallel_options
 @reports_errors
 def generate(model_dir, prompts, prompt_ids, ignore_eos, backend, mode, max_batch, device, engines, precision,
              stream, show_metrics, as_json, dtype, tp, ep, **decoding):
@@ -220,20 +216,11 @@ def generate(model_dir, prompts, prompt_ids, ignore_eos, backend, mode, max_batc
     id_prompts = [parse_ids(value) for value in prompt_ids]
     run = functools.partial(_generate, model_dir, prompts, id_prompts, ignore_eos, backend, mode, max_batch, device,
                             engines, precision, stream, show_metrics, as_json, dtype, decoding)
-    from dlmrt.parallel.plan import ParallelPlan
-
-    plan = ParallelPlan(tp, ep)
-    if not plan.parallel:
+    if max(tp, ep) == 1:
         return run(None)
-    from dlmrt.cli.backends import resolve_device
-    from dlmrt.export.checkpoint import structure
     from dlmrt.parallel import launch
 
-    plan.check_backend(backend)
-    if launch.launched_by_torchrun():
-        launch.require_torchrun_world(plan.world, "--tp/--ep")
-    plan.check(structure(model_dir or TINY_MODEL_DIR, dtype=dtype))
-    rank_device = resolve_device(backend, device)
+    plan, rank_device = checked_plan(tp, ep, backend, model_dir, dtype, device)
     if launch.launched_by_torchrun():
         return launch.run_as_launched_rank(_generate_on_rank, (plan, run), device=rank_device)
     launch.run_ranks(_generate_on_rank, plan.world, (plan, run), device=rank_device)

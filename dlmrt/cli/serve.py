@@ -17,6 +17,7 @@ import click
 from dlmrt.cli.backends import BACKENDS
 from dlmrt.cli.errors import UserError, reports_errors, require_ray_extra, require_serve_extra
 from dlmrt.cli.model_param import model_param
+from dlmrt.cli.parallel import checked_plan, parallel_options
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's
 
@@ -80,10 +81,11 @@ class ReplicaRange(click.ParamType):
 @click.option("--autoscale", type=ReplicaRange(), default=None, metavar="MIN:MAX",
               help="With --replicas N: let Ray Serve scale between MIN and MAX replicas, from N, aiming at "
                    "--max-batch requests a replica.")
+@parallel_options
 @reports_errors
 def serve_command(model_dir, backend, mode, device, dtype, max_batch, host, port, max_queue, request_timeout,
                   max_body_bytes, header_timeout, body_timeout, keep_alive_timeout, max_connections, shutdown_timeout,
-                  served_model_name, log_level, replicas, threads_per_replica, autoscale):
+                  served_model_name, log_level, replicas, threads_per_replica, autoscale, tp, ep):
     """Serve the model over the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /health,
     /metrics), with continuous batching at block boundaries."""
     require_serve_extra()
@@ -93,6 +95,9 @@ def serve_command(model_dir, backend, mode, device, dtype, max_batch, host, port
         raise click.UsageError(f"--replicas {replicas} is the count at start: it lies within --autoscale "
                                f"{autoscale[0]}:{autoscale[1]}")
     if replicas is not None:
+        if max(tp, ep) > 1:
+            raise click.UsageError("--replicas with --tp/--ep: a model split over ranks serves as one server "
+                                   "(dlmrt serve --tp N); Ray Serve replicas of it are not built yet")
         require_ray_extra()
     import uvicorn
 
@@ -103,34 +108,101 @@ def serve_command(model_dir, backend, mode, device, dtype, max_batch, host, port
                           header_timeout_s=header_timeout, body_timeout_s=body_timeout,
                           keep_alive_s=keep_alive_timeout, max_connections=max_connections,
                           shutdown_timeout_s=shutdown_timeout)
-    build = functools.partial(build_app, backend, model_dir, mode=mode, device=device, dtype=dtype, max_batch=max_batch,
-                              limits=limits, served_model_name=served_model_name)
+    opening = {"backend": backend, "model_dir": model_dir, "mode": mode, "device": device, "dtype": dtype,
+               "max_batch": max_batch}
+    build = functools.partial(build_app, opening, limits=limits, served_model_name=served_model_name)
     if replicas is not None:
         return _serve_replicas(build, backend, model_dir, device, dtype, max_batch, limits, host, port, log_level,
                                replicas, threads_per_replica, autoscale)
-    app = build()
-    server = uvicorn.Server(server_config(app, limits, host=host, port=port, log_level=log_level,
-                                          log_config=_logging(log_level)))
-    # uvicorn drains on SIGTERM, then raises the signal again with the handler it found: this one makes
-    # that an exit with status 0 (a supervisor reads -15 as a crash) rather than death by the signal
-    signal.signal(signal.SIGTERM, _exit_cleanly)
-    server.run()
+
+    def run_server(parallel=None, leader=None) -> None:
+        app = build(parallel=parallel, leader=leader)
+        server = uvicorn.Server(server_config(app, limits, host=host, port=port, log_level=log_level,
+                                              log_config=_logging(log_level)))
+        # uvicorn drains on SIGTERM, then raises the signal again with the handler it found: this one makes
+        # that an exit with status 0 (a supervisor reads -15 as a crash) rather than death by the signal
+        signal.signal(signal.SIGTERM, _exit_cleanly)
+        server.run()
+
+    if max(tp, ep) == 1:
+        return run_server()
+    _serve_on_ranks(checked_plan(tp, ep, backend, model_dir, dtype, device), opening, run_server)
 
 
-def build_app(backend, model_dir, *, mode, device, dtype, max_batch, limits, served_model_name):
-    """The server's app over the backend that the options name: what `dlmrt serve` runs, and what each of
-    its replicas builds (in its own process) under --replicas."""
-    from rich.console import Console
-
+def build_app(opening: dict, *, limits, served_model_name, parallel=None, leader=None):
+    """The server's app over the backend that `opening` (open_backend's options) names: what `dlmrt serve`
+    runs, and what each of its replicas builds (in its own process) under --replicas. On rank 0 of a split
+    model, `parallel` is its (ParallelPlan, Ranks), and `leader` its link to the ranks that follow its batches."""
     from dlmrt import TINY_MODEL_DIR
-    from dlmrt.cli.backends import open_backend
     from dlmrt.core.chat_template import load_chat_template
     from dlmrt.serve.app import create_app
 
-    model, built = open_backend(backend, model_dir, dtype=dtype, mode=mode, max_batch=max_batch, device=device,
-                                engines=None, precision=None, console=Console(stderr=True))
+    model, built = _open(opening, parallel)
     return create_app(model, built, limits, served_model_name,
-                      chat_template=load_chat_template(model_dir or TINY_MODEL_DIR))
+                      chat_template=load_chat_template(opening["model_dir"] or TINY_MODEL_DIR), leader=leader)
+
+
+def _open(opening: dict, parallel):
+    from rich.console import Console
+
+    from dlmrt.cli.backends import open_backend
+
+    return open_backend(**opening, engines=None, precision=None, console=Console(stderr=True), parallel=parallel)
+
+
+def _serve_on_ranks(checked, opening: dict, run_server) -> None:
+    """--tp/--ep: this process serves as rank 0, and the other ranks follow its batches: ranks dlmrt starts
+    (which end with it, and end it if one fails), or torchrun's."""
+    from dlmrt.parallel import launch
+
+    plan, device = checked
+    if launch.launched_by_torchrun():
+        launch.run_as_launched_rank(_serve_or_follow, (plan, opening, run_server), device=device)
+        return
+    ranks, followers = launch.lead(_follow, plan.world, (plan, opening), device=device, on_failure=_abort)
+    try:
+        _lead(ranks, plan, run_server)
+    finally:
+        followers.join()
+
+
+def _lead(ranks, plan, run_server) -> None:
+    """Rank 0: serve, and whichever way the server ends, stop the followers (the lifespan's stop, if it ran,
+    has done it already)."""
+    from dlmrt.parallel.lockstep import Channel, Leader
+
+    leader = Leader(Channel(ranks))
+    try:
+        run_server((plan, ranks), leader)
+    finally:
+        leader.stop()
+
+
+def _serve_or_follow(ranks, plan, opening: dict, run_server) -> None:
+    """A torchrun rank: rank 0 serves, the others follow."""
+    if ranks.rank == 0:
+        _lead(ranks, plan, run_server)
+    else:
+        _follow(ranks, plan, opening)
+
+
+def _follow(ranks, plan, opening: dict) -> None:
+    """A rank other than 0: its part of the model replays rank 0's batches until rank 0 stops."""
+    from dlmrt.parallel.lockstep import Channel, follow
+
+    # Ctrl-C, or a supervisor's SIGTERM to the whole process group, reaches every rank: rank 0 drains, then stops
+    # this one (which fails out of its wait if rank 0 dies instead)
+    for stop in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(stop, signal.SIG_IGN)
+    channel = Channel(ranks)  # before the model loads: rank 0 stops this rank even if its own load fails
+    _, backend = _open(opening, (plan, ranks))
+    follow(backend, channel)
+
+
+def _abort(line: str) -> None:
+    """A follower failed: the model is incomplete, so the server ends at once, with one line."""
+    click.echo(f"Error: {line}", err=True)
+    os._exit(2)
 
 
 def _serve_replicas(build, backend, model_dir, device, dtype, max_batch, limits, host, port, log_level, replicas,

@@ -2,6 +2,7 @@
 
     results = run_ranks(job, world=2, args=(...,))    # job(ranks, *args) in each of 2 processes
     if launched_by_torchrun(): result = run_as_launched_rank(job, args)
+    ranks, followers = lead(job, world=2, args=(...,), on_failure=report)  # this process is rank 0
 
 Each rank is a process (torch.multiprocessing, spawned) that joins one process group: gloo on a CPU,
 NCCL on CUDA. `run_ranks` returns every rank's result in rank order. A rank that raises, dies or
@@ -12,12 +13,15 @@ same way. The ranks get a share of the CPU's threads each, so N ranks do not ove
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import multiprocessing.connection
 import os
 import pickle
 import re
 import signal
 import socket
+import threading
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -184,3 +188,97 @@ def _how_it_ended(exit_code: int) -> str:
     if exit_code is not None and exit_code < 0:
         return f"was killed by {signal.Signals(-exit_code).name}"
     return f"exited with status {exit_code}"
+
+
+class Followers:
+    """Ranks 1, 2, ... of a group led by this process, each running its job in a process of its own.
+
+    A follower that fails (raises, or dies) before `join` is called fails the whole group: the other
+    followers are killed, and `on_failure` gets one line naming it, on a watcher thread. A job that
+    returns is a follower's normal end."""
+
+    def __init__(self, processes, reports, world: int, timeout: timedelta, on_failure: Callable[[str], None]):
+        self._processes, self._reports, self._world = processes, reports, world
+        self._timeout, self._on_failure = timeout, on_failure
+        self._joining = threading.Event()
+        self._reaped: set[int] = set()
+        self._watcher = threading.Thread(target=self._watch, name="dlmrt-followers", daemon=True)
+        self._watcher.start()
+
+    def _watch(self) -> None:
+        """The one thread that reaps the followers (two would race for their exit codes)."""
+        sentinels = {process.sentinel: process for process in self._processes}
+        while sentinels:
+            for ended in multiprocessing.connection.wait(list(sentinels)):
+                process = sentinels.pop(ended)
+                process.join()
+                self._reaped.add(process.pid)
+                if process.exitcode != 0 and not self._joining.is_set():
+                    self.kill()
+                    self._on_failure(self._why(self._processes.index(process) + 1, process.exitcode))
+                    return
+
+    def _why(self, rank: int, exit_code: int) -> str:
+        try:
+            _, kind, value = self._reports[rank - 1].recv()
+        except EOFError:  # it died without a word
+            kind = value = None
+        cause = f"failed: {value}" if kind == "error" else _how_it_ended(exit_code)
+        return f"rank {rank} {cause}; every rank of {self._world} was stopped"
+
+    def join(self) -> None:
+        """Wait for the followers to end (after the leader has told them to); kill any left after the timeout."""
+        self._joining.set()
+        self._watcher.join(self._timeout.total_seconds())
+        self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL to every follower still running (a follower may ignore SIGTERM and SIGINT, waiting for its
+        leader's word). The watcher alone reaps them."""
+        for process in self._processes:
+            if process.pid not in self._reaped:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(process.pid, signal.SIGKILL)
+
+
+class _Report:
+    """A follower's end of its own pipe to the leader, as `_rank_main` reports: a pipe rather than a queue,
+    which holds semaphores that a leader ending with os._exit would leave behind (and be warned about)."""
+
+    def __init__(self, connection):
+        self.connection = connection
+
+    def put(self, item) -> None:
+        self.connection.send(item)
+
+
+def _follower_main(index: int, job: Callable, args: tuple, world: int, device: str, timeout: timedelta,
+                   reports: list) -> None:
+    _rank_main(index + 1, job, args, world, device, timeout, _Report(reports[index]))
+
+
+def lead(job: Callable, world: int, args: tuple = (), *, device: str = "cpu", timeout: timedelta = DEFAULT_TIMEOUT,
+         on_failure: Callable[[str], None]):
+    """Make this process rank 0 of a new group of `world`, whose ranks 1, 2, ... run `job(ranks, *args)` in
+    new processes: (this process's Ranks, their Followers). `on_failure(line)` is called if a follower ends
+    before `Followers.join`: by then every other follower has been killed."""
+    import torch.multiprocessing as mp
+
+    pipes = [mp.get_context("spawn").Pipe(duplex=False) for _ in range(world - 1)]
+    previous = {name: os.environ.get(name) for name in ("MASTER_ADDR", "MASTER_PORT")}
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    try:
+        processes = mp.start_processes(_follower_main, args=(job, args, world, device, timeout,
+                                                             [sending for _, sending in pipes]),
+                                       nprocs=world - 1, join=False, start_method="spawn").processes
+        for _, sending in pipes:  # the followers' own now: a follower that dies closes its pipe
+            sending.close()
+        followers = Followers(processes, [receiving for receiving, _ in pipes], world, timeout, on_failure)
+        try:
+            return init_rank(0, world, device, timeout), followers
+        except BaseException:
+            followers.kill()
+            raise
+    finally:
+        for name, value in previous.items():
+            os.environ.pop(name, None) if value is None else os.environ.__setitem__(name, value)

@@ -43,6 +43,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
@@ -55,7 +56,7 @@ from dlmrt.core.chat_template import ChatTemplate
 from dlmrt.core.errors import DlmrtError
 from dlmrt.runtime import text
 from dlmrt.runtime.backend import Backend
-from dlmrt.runtime.running_batch import BlockProgress
+from dlmrt.runtime.running_batch import BlockProgress, open_batch
 from dlmrt.runtime.scheduler import Failed, Finished, QueueFull, Scheduler, ShuttingDown
 from dlmrt.runtime.scoring import Scorer
 from dlmrt.serve.logprobs import CompletionLogprobs, chat_logprobs
@@ -63,6 +64,9 @@ from dlmrt.serve.metrics import ServerMetrics
 from dlmrt.serve.provisional import Provisional, ProvisionalView
 from dlmrt.serve.stop_strings import StopScan, tokens_spanning
 from dlmrt.serve.transport import BodyLimit
+
+if TYPE_CHECKING:
+    from dlmrt.parallel.lockstep import Leader
 
 logger = logging.getLogger(__name__)
 
@@ -152,10 +156,12 @@ def _failure(error: BaseException) -> ApiError:
 
 
 def create_app(model, backend: Backend, server_limits: ServerLimits = ServerLimits(), model_name: str | None = None,
-               chat_template: ChatTemplate | None = None) -> FastAPI:
-    """The API over `backend`; `model` encodes and decodes text and gives the defaults."""
+               chat_template: ChatTemplate | None = None, leader: Leader | None = None) -> FastAPI:
+    """The API over `backend`; `model` encodes and decodes text and gives the defaults. `leader`: on rank 0
+    of a tensor-parallel model, its link to the other ranks, which replay its batches and stop with it."""
     name = model_name or model.name
-    scheduler = Scheduler(backend, server_limits.max_queue)
+    scheduler = Scheduler(backend, server_limits.max_queue,
+                          open_batch=open_batch if leader is None else leader.open_batch)
     metrics = ServerMetrics(scheduler)
     created = int(time.time())
 
@@ -168,6 +174,8 @@ def create_app(model, backend: Backend, server_limits: ServerLimits = ServerLimi
         gc.freeze()
         yield
         await asyncio.to_thread(scheduler.stop)  # uvicorn has let the requests it holds finish
+        if leader is not None:
+            await asyncio.to_thread(leader.stop)
         gc.unfreeze()
 
     app = FastAPI(title="dlmrt", docs_url=None, redoc_url=None, lifespan=lifespan)

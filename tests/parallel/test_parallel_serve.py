@@ -1,0 +1,135 @@
+"""Serving a model split over ranks: rank 0's scheduler decides, every other rank replays its batches
+(dlmrt.parallel.lockstep), so requests that join running batches, wait for a batch of their own settings,
+or are cancelled mid-block get the tokens one process gives them; `dlmrt serve --tp 2` answers as
+`dlmrt serve` does, stops cleanly, and ends with one line when a rank dies."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+import jobs_serve
+import jobs_tp
+from dlmrt.parallel.launch import run_ranks
+from dlmrt.parallel.plan import ParallelPlan
+from dlmrt.runtime import EntropyBound, GenerationSettings, Threshold
+from dlmrt.runtime.backend import VOCAB_SPLIT
+from live_server import dlmrt_serve
+
+
+MASKED = [
+    jobs_serve.Request("add:762+139=", GenerationSettings(16, 8, Threshold(0.5), seed=1)),
+    jobs_serve.Request("rev:hello=", GenerationSettings(32, 8, Threshold(0.5), seed=2, temperature=0.7),
+                       cancel_after_first_block=True),
+    # its own batch: the cache differs, so it waits for the first batch to end
+    jobs_serve.Request("sort:dcba=", GenerationSettings(16, 8, Threshold(0.5), seed=3, cache="prefix")),
+    jobs_serve.Request("add:12+34=", GenerationSettings(16, 8, Threshold(0.5), seed=4)),
+]
+UNIFORM = [
+    jobs_serve.Request("sort:3142=", GenerationSettings(24, 8, EntropyBound(steps=12), seed=0, ignore_eos=True)),
+    jobs_serve.Request("add:12+34=", GenerationSettings(32, 8, EntropyBound(steps=12), seed=1, ignore_eos=True),
+                       cancel_after_first_block=True),
+    jobs_serve.Request("add:5+6=", GenerationSettings(16, 8, EntropyBound(steps=12), seed=2)),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("make_model, requests", [(jobs_tp.tiny_llada, MASKED),
+                                                  (jobs_tp.tiny_diffusion_gemma, UNIFORM)],
+                         ids=["llada", "diffusion-gemma"])
+def test_a_follower_replays_rank_0s_batches_and_every_request_gets_its_one_process_tokens(make_model, requests):
+    alone = jobs_serve.scheduled(None, make_model, None, requests)
+    leader, follower = run_ranks(jobs_serve.scheduled, 2, (make_model, ParallelPlan(tp=2), requests))
+    assert leader["events"] == alone["events"]
+    assert follower["runs"] == leader["runs"] == alone["runs"]
+    cancelled = [events[-1][2] for events, request in zip(alone["events"], requests)
+                 if request.cancel_after_first_block]
+    assert cancelled == ["cancelled"]  # the cancel reached rank 0's batch mid-request, and the follower's with it
+
+
+BODIES = [{"prompt": prompt, "temperature": temperature, "seed": seed, "max_tokens": 16}
+          for seed, (prompt, temperature) in enumerate([("add:762+139=", 0.0), ("rev:hello=", 0.0), ("sort:dcba=", 0.8),
+                                                        ("add:12+34=", 0.8), ("rev:abc=", 0.0), ("sort:3142=", 0.0)])]
+
+
+def answers(port: int) -> list:
+    """BODIES sent at once, and the first one streamed: each reply's text and finish reason."""
+    import asyncio
+
+    import httpx
+
+    async def ask():
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
+            replies = await asyncio.gather(*[client.post("/v1/completions", json={"model": "tiny-llada", **body})
+                                             for body in BODIES])
+            streamed = await client.post("/v1/completions", json={"model": "tiny-llada", **BODIES[0], "stream": True})
+        return [(r.json()["choices"][0]["text"], r.json()["choices"][0]["finish_reason"]) for r in replies], \
+            streamed.text.count("data: ")
+
+    return asyncio.run(ask())
+
+
+def rank_processes(pid: int) -> list[int]:
+    from test_parallel_cli import children
+
+    return [child for child in children(pid) if "spawn_main" in Path(f"/proc/{child}/cmdline").read_text()]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds the ranks through /proc (Linux)")
+def test_serve_tp_2_answers_as_one_process_refuses_logprobs_in_one_line_and_stops_cleanly_on_sigterm():
+    import httpx
+
+    with dlmrt_serve() as (_, alone_port):
+        expected = answers(alone_port)
+    with dlmrt_serve("--tp", "2") as (server, port):
+        followers = rank_processes(server.pid)
+        assert len(followers) == 1
+        assert answers(port) == expected
+        refused = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
+                             json={"model": "tiny-llada", "prompt": "add:1+2=", "logprobs": 2})
+        assert refused.status_code == 400
+        assert refused.json()["error"]["message"] == f"logprobs: {VOCAB_SPLIT}"
+        scored = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
+                            json={"model": "tiny-llada", "prompt": "add:1+2=", "echo": True, "max_tokens": 0,
+                                  "logprobs": 1})
+        assert scored.status_code == 400 and VOCAB_SPLIT in scored.json()["error"]["message"]
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(30) == 0, server.stdout.read().decode()[-2000:]
+        assert not any(Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text()
+                       for pid in followers)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds the ranks through /proc (Linux)")
+def test_a_rank_that_dies_ends_the_server_with_one_line():
+    with dlmrt_serve("--tp", "2") as (server, _):
+        os.kill(rank_processes(server.pid)[0], signal.SIGKILL)
+        assert server.wait(30) == 2
+        output = server.stdout.read().decode()
+    assert output.strip().splitlines()[-1] == "Error: rank 1 was killed by SIGKILL; every rank of 2 was stopped"
+    assert "Traceback" not in output and "Warning" not in output
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--tp", "3"], "--tp 3 does not fit tiny-llada: 4 query heads do not split over 3 ranks"),
+    (["--tp", "2", "--backend", "ort"], "--backend ort has no tensor- or expert-parallel path"),
+    (["--ep", "2"], "--ep 2: this LLaDA model has no MoE layers to split"),
+    (["--tp", "2", "--replicas", "2"], "--replicas with --tp/--ep: a model split over ranks serves as one server"),
+])
+def test_serve_refuses_a_split_that_cannot_run_in_one_line_before_any_rank_starts(args, message, monkeypatch):
+    from click.testing import CliRunner
+
+    from dlmrt.cli.commands import main
+
+    def no_ranks(*args, **kwargs):
+        raise AssertionError("a rank was started")
+
+    monkeypatch.setattr("dlmrt.parallel.launch.lead", no_ranks)
+    result = CliRunner().invoke(main, ["serve", *args])
+    assert result.exit_code == 2
+    assert message in result.output
+    assert "Traceback" not in result.output
