@@ -22,7 +22,10 @@ the K/V and take every temperature, measure and editing threshold as inputs.
 `return_logits=True` also returns the block's float32 logits (after guidance), from which the step loop
 takes each committed token's log-probability when some row asks (docs/logprobs.md). Exports always
 name them as their last output, `logits`; a binding that does not ask leaves that output unbound, so
-ONNX Runtime frees them as it did before.
+ONNX Runtime frees them as it did before. On a tensor-parallel rank, which holds a slice of the
+vocabulary, it returns instead the logprobs of the step's own ids, computed over the whole vocabulary
+(`VocabShard.token_logprobs`): their log-probabilities, and the recorded alternatives' log-probabilities
+and ids.
 
 Token editing (LLaDA2.1) may overwrite the block's committed positions that are neither prompt nor
 padding: the graph derives them from the window's key mask, positions and each row's prompt length.
@@ -41,6 +44,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from dlmrt.core import limits
 from dlmrt.core.errors import ArgumentError
 from dlmrt.export.models import Denoiser
 from dlmrt.export.models.denoiser import PastKV
@@ -94,9 +98,9 @@ class StepGraph(nn.Module):
         self.return_kv, self.sampling, self.confidence, self.editing = return_kv, sampling, confidence, editing
         self.return_logits = return_logits
         check_unmask(unmask)
-        if model.vocab_shard is not None and (return_logits or unmask != "torch"):
-            raise ArgumentError("a tensor-parallel step holds a vocabulary slice of the logits: it returns no "
-                                "logits (logprobs) and unmasks with its own torch code (unmask='torch')")
+        if model.vocab_shard is not None and unmask != "torch":
+            raise ArgumentError("a tensor-parallel step holds a vocabulary slice of the logits: it unmasks with its "
+                                "own torch code (unmask='torch')")
         self.triton_kernels = None
         if unmask == "triton":
             from dlmrt.plugins.parallel_unmask import triton_kernels
@@ -149,6 +153,9 @@ class StepGraph(nn.Module):
                                        confidence=self.confidence or measure, sampling=self.sampling,
                                        edits=edits)
         extra = (out.residual.z, out.residual.certainty) if self.residual else ()
-        if exporting or self.return_logits:
+        if self.return_logits and self.model.vocab_shard is not None:  # no rank holds them all: their logprobs
+            extra = (*extra, *self.model.vocab_shard.token_logprobs(
+                logits, unmasked[0], limits.recorded_alternatives(self.model.vocab_size), mask_id))
+        elif exporting or self.return_logits:
             extra = (*extra, logits)
         return (*unmasked, out.kv, *extra)

@@ -29,11 +29,6 @@ if TYPE_CHECKING:
     from dlmrt.runtime.executor import StepProgram
 
 
-# Why a model split over ranks (ModelSpec.vocab_ranks) gives no log-probabilities
-VOCAB_SPLIT = ("each rank of a tensor-parallel model holds a slice of the vocabulary's logits, and dlmrt does not "
-               "combine log-probabilities across ranks yet: ask without logprobs, or run without --tp")
-
-
 @dataclass(frozen=True)
 class ModelSpec:
     """What the loop needs to know about the model behind a backend."""

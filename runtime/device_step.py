@@ -61,6 +61,15 @@ class StepKind:
         return f"a batch of {state.bucket.batch} x {state.bucket.canvas}"
 
 
+class TokenLogprobs(NamedTuple):
+    """At each block position of a step: its token's log-probability under the step's logits, and the most
+    likely tokens other than the mask with theirs, most likely first."""
+
+    chosen: Tensor  # [B, block] float32
+    top_logprob: Tensor  # [B, block, K] float32
+    top_token: Tensor  # [B, block, K] int64
+
+
 class GraphOutputs(NamedTuple):
     """What `apply` reads of a step graph's outputs (the rest are not needed)."""
 
@@ -68,7 +77,10 @@ class GraphOutputs(NamedTuple):
     kv: Tensor | None  # [layers, 2, B', kv heads, W, head dim], on steps that write the cache
     z: Tensor | None  # [B', W, H]
     certainty: Tensor | None
-    logits: Tensor | None = None  # [B, block, V] float32, on steps whose kind asks for logprobs
+    # On steps whose kind asks for logprobs: the block's logits [B, block, V] float32, from which `apply` reads
+    # them; or, from a model whose ranks each hold a slice of the vocabulary, the logprobs of `ids` themselves
+    logits: Tensor | None = None
+    logprobs: TokenLogprobs | None = None
 
 
 def kinds_for_block(cache: str, block_causal: bool, canvas: int, block_start: int, block: int, first_block: bool,
@@ -99,7 +111,7 @@ def allocate(state: DeviceState, kind: StepKind, spec: ModelSpec) -> None:
     if not kind.whole_canvas(state.bucket.canvas):
         state.window(kind.window)
     if kind.logprobs:
-        state.allocate_logprobs(min(limits.MAX_TOP_LOGPROBS, spec.vocab_size - 1))
+        state.allocate_logprobs(limits.recorded_alternatives(spec.vocab_size))
 
 
 def output_buffers(spec: ModelSpec, state: DeviceState, kind: StepKind, *,
@@ -233,7 +245,9 @@ def apply(state: DeviceState, kind: StepKind, active: Tensor, outputs: GraphOutp
             state.kv.index_copy_(4, written, outputs.kv[:, :, :, :, :kind.writes])
             state.cache_valid.index_fill_(0, written, True)
     if kind.logprobs:
-        record_logprobs(state, outputs.logits, new_block, active[:, None] & (new_block != old_block))
+        found = outputs.logprobs if outputs.logprobs is not None else token_logprobs(
+            outputs.logits, new_block, state.top_logprob.shape[-1], state.mask_id)
+        record_logprobs(state, found, active[:, None] & (new_block != old_block))
     state.step.add_(active)
     state.block_step.add_(1)
     was_masked = old_block == state.mask_id
@@ -247,17 +261,22 @@ def apply(state: DeviceState, kind: StepKind, active: Tensor, outputs: GraphOutp
     state.status[-1:].add_(active.any().long())
 
 
-def record_logprobs(state: DeviceState, logits: Tensor, new_block: Tensor, changed: Tensor) -> None:
-    """Where the step put a token (`changed`, [B, block]), its log-probability under the step's logits, and
-    the most likely tokens other than the mask with theirs. Every row's tokens are recorded (a row that did
-    not ask is read by no one): one batched pass, no per-row branch."""
+def token_logprobs(logits: Tensor, tokens: Tensor, alternatives: int, mask_id: int) -> TokenLogprobs:
+    """`log_softmax` of `logits [B, block, V]` at `tokens [B, block]`, and the `alternatives` most likely
+    tokens other than the mask (never a token of the text)."""
     logp = torch.log_softmax(logits, dim=-1)
-    chosen = logp.gather(-1, new_block[..., None]).squeeze(-1)
-    logp[..., state.mask_id] = float("-inf")  # never a token of the text
-    top_logprob, top_token = logp.topk(state.top_logprob.shape[-1], dim=-1)
-    state.logprob.copy_(torch.where(changed, chosen, state.logprob))
-    state.top_logprob.copy_(torch.where(changed[..., None], top_logprob, state.top_logprob))
-    state.top_token.copy_(torch.where(changed[..., None], top_token, state.top_token))
+    chosen = logp.gather(-1, tokens[..., None]).squeeze(-1)
+    logp[..., mask_id] = float("-inf")
+    top_logprob, top_token = logp.topk(alternatives, dim=-1)
+    return TokenLogprobs(chosen, top_logprob, top_token)
+
+
+def record_logprobs(state: DeviceState, found: TokenLogprobs, changed: Tensor) -> None:
+    """Keep the step's logprobs where it put a token (`changed`, [B, block]). Every row's tokens are recorded
+    (a row that did not ask is read by no one): one batched pass, no per-row branch."""
+    state.logprob.copy_(torch.where(changed, found.chosen, state.logprob))
+    state.top_logprob.copy_(torch.where(changed[..., None], found.top_logprob, state.top_logprob))
+    state.top_token.copy_(torch.where(changed[..., None], found.top_token, state.top_token))
 
 
 def _write_work_left(state: DeviceState, masked: Tensor) -> None:

@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 
 from dlmrt.core.errors import ArgumentError
-from dlmrt.runtime.backend import VOCAB_SPLIT, Backend, ModelSpec
+from dlmrt.runtime.backend import Backend, ModelSpec
 from dlmrt.runtime.device_state import Bucket, DeviceState
 from dlmrt.runtime.device_step import StepKind, gather, graph_inputs
 from dlmrt.runtime.running_batch import TokenLogprob
@@ -35,7 +35,8 @@ def check_scorable(spec: ModelSpec) -> None:
     if spec.noise == "uniform" or spec.mask_id is None:
         raise ArgumentError(f"{spec.name} is a uniform-noise model: it has no mask token to score a text with")
     if spec.vocab_ranks > 1:
-        raise ArgumentError(f"scoring: {VOCAB_SPLIT}")
+        raise ArgumentError("scoring a text is not built for a model split over ranks (its other ranks replay the "
+                            "server's batches only): score it on a server without --tp")
     if not spec.supports_logprobs:
         raise ArgumentError(f"{spec.name} was exported before the step graph returned its logits: re-export it "
                             f"with this dlmrt (`dlmrt export`) to score text, or use the torch backend")

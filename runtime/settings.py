@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from dlmrt.core import limits
 from dlmrt.core.errors import ArgumentError
-from dlmrt.runtime.backend import VOCAB_SPLIT, ModelSpec
+from dlmrt.runtime.backend import ModelSpec
 from dlmrt.runtime.policies import Fixed, Policy, ResidualPolicy, make_policy
 
 CACHE_MODES = ("none", "prefix", "dual")
@@ -146,8 +146,6 @@ def _check_logprobs(spec: ModelSpec, settings: GenerationSettings) -> None:
                             f"step resamples the whole block and refills it with random tokens, and the block's "
                             f"tokens are its last argmax, so no step's probability is a token's; ask for logprobs of "
                             f"a mask-based model")
-    if spec.vocab_ranks > 1:
-        raise ArgumentError(f"logprobs: {VOCAB_SPLIT}")
     if not spec.supports_logprobs:
         raise ArgumentError(f"logprobs: {spec.name} was exported before the step graph returned its logits: "
                             f"re-export it with this dlmrt (`dlmrt export`) for logprobs, or use the torch backend")

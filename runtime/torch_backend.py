@@ -22,7 +22,7 @@ from dlmrt.runtime import onednn
 from dlmrt.runtime.backend import Backend, ModelSpec
 from dlmrt.runtime.uniform_state import CacheGroup, UniformState
 from dlmrt.runtime.device_state import BucketLadder, DeviceState
-from dlmrt.runtime.device_step import GraphOutputs, StepKind
+from dlmrt.runtime.device_step import GraphOutputs, StepKind, TokenLogprobs
 from dlmrt.runtime.executor import MODES
 
 DEFAULT_MAX_BATCH = 64
@@ -71,7 +71,11 @@ class _TorchGraph:
             self.observe(inputs)
         out = self.graph(**inputs)
         z, certainty = (out[5], out[6]) if self.graph.residual else (None, None)
-        return GraphOutputs(out[0], out[4], z, certainty, out[-1] if self.graph.return_logits else None)
+        if not self.graph.return_logits:
+            return GraphOutputs(out[0], out[4], z, certainty)
+        if self.graph.model.vocab_shard is not None:
+            return GraphOutputs(out[0], out[4], z, certainty, logprobs=TokenLogprobs(*out[-3:]))
+        return GraphOutputs(out[0], out[4], z, certainty, logits=out[-1])
 
 
 class TorchBackend(Backend):

@@ -34,6 +34,11 @@ MAX_SEED = 2**62
 MAX_TOP_LOGPROBS = 20
 
 
+def recorded_alternatives(vocab_size: int) -> int:
+    """The alternatives a step records for each token it commits (a request reads the ones it asked for)."""
+    return min(MAX_TOP_LOGPROBS, vocab_size - 1)
+
+
 def float32_problem(value: float) -> str | None:
     """Why `value` cannot be a float32 step input, or None when it can."""
     if not math.isfinite(value):

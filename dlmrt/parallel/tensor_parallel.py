@@ -107,6 +107,12 @@ class VocabShard:
         return vocab_parallel_unmask(logits, ids, positions, params, offset=self.rows.start,
                                      vocab_size=self.vocab_size, gather=self.ranks.all_gather, **options)
 
+    def token_logprobs(self, logits: Tensor, tokens: Tensor, alternatives: int, mask_id: int):
+        from dlmrt.parallel.vocab import vocab_parallel_token_logprobs
+
+        return vocab_parallel_token_logprobs(logits, tokens, alternatives, mask_id=mask_id, offset=self.rows.start,
+                                             vocab_size=self.vocab_size, gather=self.ranks.all_gather)
+
     def entropy_bound_step(self, logits: Tensor, canvas: Tensor, positions: Tensor, params, finished: Tensor):
         from dlmrt.parallel.vocab import vocab_parallel_entropy_bound_step
 

@@ -194,6 +194,36 @@ def vocab_parallel_unmask(logits: Tensor, ids: Tensor, positions: Tensor, params
 
 
 
+def vocab_parallel_token_logprobs(logits: Tensor, tokens: Tensor, alternatives: int, *, mask_id: int, offset: int,
+                                  vocab_size: int, gather: Gather) -> tuple[Tensor, Tensor, Tensor]:
+    """`log_softmax` over the whole vocabulary, read as the step's logprobs are (`device_step.token_logprobs`),
+    on a rank holding the shard `[B, W, n]` at `offset` of `vocab_size`: each position's log-probability of
+    `tokens [B, W]` (float32), and its `alternatives` most likely tokens other than the mask, their
+    log-probabilities (float32) and ids (int64), most likely first. One all_gather of `[B, W, 4 + 2K]` float64:
+    the normalizer's statistics, the token's logit where this shard holds it, and this shard's K best."""
+    n = logits.shape[-1]
+    _check_shard(n, offset, vocab_size)
+    wide = logits.to(torch.float64)
+    local = tokens - offset
+    held = (local >= 0) & (local < n)
+    token_logit = torch.where(held, wide.gather(-1, local.clamp(0, n - 1)[..., None]).squeeze(-1), float("-inf"))
+    if offset <= mask_id < offset + n:  # never an alternative
+        wide = wide.index_fill(-1, torch.tensor([mask_id - offset], device=wide.device), float("-inf"))
+    best = wide.topk(min(alternatives, n), dim=-1)
+    missing = alternatives - best.values.shape[-1]  # a shard smaller than K: padding that never wins
+    values = torch.nn.functional.pad(best.values, (0, missing), value=float("-inf"))
+    ids = torch.nn.functional.pad((best.indices + offset).to(torch.float64), (0, missing), value=-1.0)
+    gathered = gather(torch.cat([_normalizer_statistics(logits), token_logit[..., None], values, ids], dim=-1))
+    normalizer = _combine_normalizer(gathered)
+    log_normalizer = normalizer.shift + normalizer.sum_exp.log()
+    every_value = gathered[..., 4:4 + alternatives].movedim(0, -2).flatten(-2)  # [B, W, R * K]
+    every_id = gathered[..., 4 + alternatives:].movedim(0, -2).flatten(-2)
+    top = every_value.topk(alternatives, dim=-1)
+    chosen = gathered[..., 3].amax(0) - log_normalizer
+    return (chosen.to(torch.float32), (top.values - log_normalizer[..., None]).to(torch.float32),
+            every_id.gather(-1, top.indices).to(torch.long))
+
+
 def _mixture(logits: Tensor, embedding: Tensor, offset: int, vocab_size: int, gather: Gather, all_reduce: AllReduce,
              p_dtype: torch.dtype) -> tuple[Tensor, _Normalizer]:
     """sum_v p_v E_v `[B, T, H]` float32 over the whole vocabulary (p = softmax(logits) rounded to `p_dtype`,

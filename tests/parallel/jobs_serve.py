@@ -24,7 +24,8 @@ def scheduled(ranks, make_model, plan: ParallelPlan | None, requests: list[Reque
     """Each request submitted when the one before gets its first event (so that it joins a running batch at
     a block boundary, or waits for a batch of its settings), on a scheduler over the model split by `plan`
     (`ranks` None: one process). Rank 0 and one process give every request's events (its updates, then its
-    finished row); every rank gives the step calls its backend ran."""
+    finished row) and the logprobs of its tokens, where it asks; every rank gives the step calls its backend
+    ran."""
     model = make_model()
     if ranks is not None:
         plan.apply(model, ranks)
@@ -37,7 +38,7 @@ def scheduled(ranks, make_model, plan: ParallelPlan | None, requests: list[Reque
         return {"runs": runs}
     leader = Leader(Channel(ranks)) if ranks is not None else None
     scheduler = Scheduler(backend) if leader is None else Scheduler(backend, open_batch=leader.open_batch)
-    events, tickets = [[] for _ in requests], {}
+    events, logprobs, tickets = [[] for _ in requests], [[] for _ in requests], {}
     finished, submitting = threading.Event(), threading.Lock()
 
     def submit(index: int) -> None:
@@ -48,6 +49,7 @@ def scheduled(ranks, make_model, plan: ParallelPlan | None, requests: list[Reque
 
     def deliver(index: int, event) -> None:
         events[index].append(_plain(event))
+        logprobs[index] += [(entry.logprob, entry.top) for entry in getattr(event, "logprobs", None) or []]
         if len(events[index]) == 1:
             if requests[index].cancel_after_first_block:
                 with submitting:
@@ -62,7 +64,7 @@ def scheduled(ranks, make_model, plan: ParallelPlan | None, requests: list[Reque
     scheduler.stop()
     if leader is not None:
         leader.stop()
-    return {"events": events, "runs": runs}
+    return {"events": events, "logprobs": logprobs, "runs": runs}
 
 
 def _plain(event) -> tuple:

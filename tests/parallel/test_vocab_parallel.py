@@ -654,6 +654,60 @@ def test_soft_tokens(shards, dtype):
     check_soft_tokens(scaled, (torch.randn(43, 32, generator=g) * 0.05).to(dtype), shards)
 
 
+# -- log-probabilities ---------------------------------------------------------------------
+
+def check_token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, alternatives: int, mask_id: int,
+                         shards: list[tuple[int, int]]):
+    """Against log_softmax over the whole vocabulary, in float64: the token's log-probability, and the top
+    alternatives with the mask left out (as sets of (id, value) where values tie)."""
+    logp = logits.double() - logits.double().logsumexp(-1, keepdim=True)
+    chosen_ref = logp.gather(-1, tokens[..., None]).squeeze(-1)
+    without_mask = logp.clone()
+    without_mask[..., mask_id] = -INF
+    ranked = without_mask.sort(dim=-1, descending=True, stable=True)
+    group = SimulatedGroup(len(shards))
+
+    def step(rank, gather, all_reduce):
+        start, end = shards[rank]
+        return vocab.vocab_parallel_token_logprobs(logits[..., start:end], tokens, alternatives, mask_id=mask_id,
+                                                   offset=start, vocab_size=logits.shape[-1], gather=gather)
+
+    results = group.run(step)
+    for calls in group.calls:
+        assert [(op, t.shape[-1], t.dtype) for op, t in calls] == [("all_gather", 4 + 2 * alternatives, torch.float64)]
+    for chosen, top_logprob, top_token in results:
+        assert all(_same(a, b) for a, b in zip((chosen, top_logprob, top_token), results[0]))
+        torch.testing.assert_close(chosen.double(), chosen_ref, rtol=0, atol=1e-5)
+        torch.testing.assert_close(top_logprob.double(), ranked.values[..., :alternatives], rtol=0, atol=1e-5)
+        # the ids: each is an entry whose log-probability is the value reported, and none is the mask
+        assert (top_token != mask_id).all()
+        torch.testing.assert_close(logp.gather(-1, top_token), top_logprob.double(), rtol=0, atol=1e-5)
+        assert all(len(set(row.tolist())) == alternatives for row in top_token.flatten(0, -2))
+
+
+@CASES
+@given(vocab_size=st.integers(3, 70), world=st.integers(1, 4), uneven=st.booleans(), seed=st.integers(0, 2**31),
+       scale=st.sampled_from([0.1, 3.0, 30.0]), alternatives=st.integers(1, 20), mask_first=st.booleans())
+def test_random_token_logprobs_match_log_softmax(vocab_size, world, uneven, seed, scale, alternatives, mask_first):
+    world, alternatives = min(world, vocab_size), min(alternatives, vocab_size - 1)
+    g = torch.Generator().manual_seed(seed)
+    if uneven:
+        shards = split_at(sorted((torch.randperm(vocab_size - 1, generator=g)[:world - 1] + 1).tolist()), vocab_size)
+    else:
+        shards = even_split(vocab_size, world)
+    mask_id = 0 if mask_first else vocab_size - 1
+    logits = torch.randn(2, 5, vocab_size, generator=g) * scale
+    logits[0, 0, mask_id] = 100.0  # the most likely token is the mask: never an alternative
+    tokens = torch.randint(0, vocab_size, (2, 5), generator=g)
+    check_token_logprobs(logits, tokens, alternatives, mask_id, shards)
+
+
+def test_token_logprobs_of_a_shard_smaller_than_the_alternatives():
+    g = torch.Generator().manual_seed(6)
+    logits = torch.randn(1, 4, 43, generator=g) * 3
+    check_token_logprobs(logits, torch.tensor([[2, 5, 40, 42]]), 20, 2, [(0, 1), (1, 3), (3, 30), (30, 43)])
+
+
 # -- real ranks ----------------------------------------------------------------------------
 
 def _rank_job(ranks, logits, ids, positions, params, shards, mask_id, embedding):

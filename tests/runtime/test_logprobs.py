@@ -140,7 +140,7 @@ def test_rows_that_do_not_ask_get_none_beside_one_that_does(model, prompts):
 
 def test_a_step_that_no_row_asks_for_does_no_logprob_work(model, prompts):
     """The counted aten ops of a step (dlmrt.bench.counted) are those of a step without logprobs exactly when no
-    row asks; asking adds exactly the ops of `record_logprobs`, and nothing else."""
+    row asks; asking adds exactly the ops of `token_logprobs` and `record_logprobs`, and nothing else."""
     settings = GenerationSettings(16, 8, Threshold(0.9), cache="dual")
     plain = count_work("torch:eager", model, prompts, settings)
     asked = count_work("torch:eager", model, prompts, dataclasses.replace(settings, logprobs=3))
@@ -148,8 +148,9 @@ def test_a_step_that_no_row_asks_for_does_no_logprob_work(model, prompts):
     state.allocate_logprobs(3)
     recording = RecordedOps()
     with recording:
-        device_step.record_logprobs(state, torch.zeros(2, 8, model.vocab_size), state.canvas[:, :8],
-                                    torch.zeros(2, 8, dtype=torch.bool))
+        found = device_step.token_logprobs(torch.zeros(2, 8, model.vocab_size), state.canvas[:, :8], 3,
+                                           state.mask_id)
+        device_step.record_logprobs(state, found, torch.zeros(2, 8, dtype=torch.bool))
     assert asked.aten_ops_per_step - plain.aten_ops_per_step == recording.count > 0
     assert (plain.nfe, plain.host_reads) == (asked.nfe, asked.host_reads - asked.blocks * 3)
 
