@@ -76,6 +76,24 @@ def all_reduce_seconds(ranks, numel: int, repeats: int = 500) -> float:
     return statistics.median(times[20:])
 
 
+def lockstep_message_seconds(ranks, repeats: int = 500) -> float:
+    """The median seconds of one message of a served split model (`dlmrt.parallel.lockstep`): a block's
+    decisions, with one row of a 40-token prompt added, from rank 0 to every rank."""
+    import statistics
+
+    from dlmrt.parallel.lockstep import Channel
+    from dlmrt.runtime import GenerationSettings
+
+    channel = Channel(ranks)
+    message = [("add", 0, list(range(40)), GenerationSettings(16, 8), 0), ("run_block",)]
+    times = []
+    for _ in range(repeats + 20):
+        start = time.perf_counter()
+        channel.share(message)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[20:])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
@@ -113,8 +131,13 @@ def main(argv: list[str] | None = None) -> int:
     console.print(f"one all-reduce of 32 KB over {world} rank(s): " +
                   ", ".join(f"rank {rank} {seconds * 1e6:.0f} µs" for rank, seconds in enumerate(latency)) +
                   " (median of 500)")
+    message = run_ranks(lockstep_message_seconds, world, device=args.device)
+    console.print(f"one lockstep message (a served block's decisions, gloo) over {world} rank(s): " +
+                  ", ".join(f"rank {rank} {seconds * 1e6:.0f} µs" for rank, seconds in enumerate(message)) +
+                  " (median of 500)")
     if args.json is not None:
-        atomic.write_text(args.json, json.dumps({"rows": rows, "all_reduce_s": latency}, indent=2))
+        atomic.write_text(args.json, json.dumps({"rows": rows, "all_reduce_s": latency, "lockstep_message_s": message},
+                                                indent=2))
     return 0 if all(row["same_tokens"] for row in rows) else 1
 
 

@@ -71,10 +71,12 @@ def open_backend(backend: str, model_dir: Path | None, *, dtype: str, mode: str,
     import dlmrt
     from dlmrt.runtime.torch_backend import TorchBackend
 
-    model = dlmrt.load(model_dir or TINY_MODEL_DIR, dtype=dtype, device=device)
+    # A rank of a split model loads it into host memory and moves only its part to the device, so that on GPUs
+    # the whole model need not fit in one
+    model = dlmrt.load(model_dir or TINY_MODEL_DIR, dtype=dtype, device="cpu" if parallel else device)
     if parallel is not None:
         plan, ranks = parallel
-        plan.apply(model, ranks)
+        plan.apply(model, ranks).to(device)
     return model, (TorchBackend(model, mode=mode, max_batch=max_batch) if backend == "torch" else None)
 
 
