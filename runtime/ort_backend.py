@@ -17,6 +17,7 @@ import onnx.inliner
 import torch
 
 from dlmrt.core.errors import ArgumentError, MissingExtraError
+from dlmrt.export.weight_only import check_quantized, is_weight_only
 from dlmrt.export.export_manifest import ExportManifest
 from dlmrt.export.models.denoiser import LayerGroupKV
 from dlmrt.runtime.backend import BindingBackend, ModelSpec
@@ -120,6 +121,12 @@ class OrtBackend(BindingBackend):
         if optimization not in OPTIMIZATION_LEVELS:
             raise ArgumentError(f"optimization must be one of {', '.join(OPTIMIZATION_LEVELS)}, got {optimization!r}")
         uniform = spec.noise == "uniform"
+        if is_weight_only(self.manifest):
+            if device.type != "cpu":
+                raise ArgumentError(f"{self.export_dir} is a {self.manifest.quantization['precision']} weight-only "
+                                    f"export, a CPU format: run it with --device cpu, or export without --precision "
+                                    f"for {device.type}")
+            check_quantized(self.export_dir, self.manifest)
         if uniform and device.type != "cpu":
             raise ArgumentError(f"ONNX Runtime runs uniform-noise exports on the CPU only, not on {device.type}: "
                                 f"use --device cpu, or the torch backend")

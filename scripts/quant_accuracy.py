@@ -1,4 +1,4 @@
-"""Accuracy of the quantized step graphs against fp32, in one run: fp32, FP8 and NVFP4.
+"""Accuracy of the quantized step graphs against fp32, in one run: fp32, FP8, NVFP4, int8 and int4.
 
     python scripts/quant_accuracy.py --json quant_accuracy.json      # about 2.5 minutes on 2 cores
 
@@ -11,7 +11,11 @@ is decoded by the Generator, with the same settings, as
 - FP8 (ORT)       the export quantized by nvidia-modelopt's ONNX PTQ (dlmrt.engines.quant.fp8),
                   run by ONNX Runtime's CPU provider;
 - NVFP4 (torch)   the torch model with NVFP4 fake-quantized transformer Linears
-                  (dlmrt.engines.quant.nvfp4.simulate), run by the TorchBackend.
+                  (dlmrt.engines.quant.nvfp4.simulate), run by the TorchBackend;
+- int8 / int4 (ORT) the export's weights quantized by onnxruntime's MatMulNBits quantizer
+                  (dlmrt.engines.quant.weight_only, `dlmrt export --precision`), uncalibrated, run by
+                  ONNX Runtime's CPU provider: int8 and int4 in symmetric blocks of 32, and int4 in
+                  asymmetric blocks of 128.
 
 Token agreement is the fraction of generated positions (the whole gen-length, end-of-sequence fill
 included) equal to fp32's. Exact-match: for the tiny model against the task answers (per task and
@@ -40,6 +44,7 @@ from rich.table import Table
 import dlmrt
 from dlmrt.core import atomic, tasks
 from dlmrt.engines.quant.calibration import calibration_feeds
+from dlmrt.engines.quant import weight_only
 from dlmrt.engines.quant.fp8 import quantize_export
 from dlmrt.eval.evaluation import parse_setting
 from dlmrt.export import models
@@ -61,6 +66,11 @@ class Target:
     examples: list[Example]
     settings: GenerationSettings
     answers_known: bool  # score against the examples' answers (else against fp32's completions)
+
+
+# (row label, bits, block size, symmetric)
+WEIGHT_ONLY_VARIANTS = [("int8 (ORT)", 8, 32, True), ("int4 (ORT)", 4, 32, True),
+                        ("int4 asym. 128 (ORT)", 4, 128, False)]
 
 
 def tiny_target(args) -> Target:
@@ -141,8 +151,8 @@ def exact_match(target: Target, completions: list[list[int]], reference: list[li
 
 
 def build_variants(target: Target, scratch: Path, args, progress: Progress) -> tuple[dict[str, Generator], dict]:
-    """The four generators of a target, after exporting, FP8 quantization and NVFP4 simulation; the
-    build facts (times, FP8 reports) for the JSON."""
+    """The generators of a target, after exporting, FP8 quantization, NVFP4 simulation and weight-only
+    quantization; the build facts (times, FP8 reports) for the JSON."""
     from dlmrt.engines.quant import nvfp4
 
     facts: dict = {}
@@ -165,6 +175,12 @@ def build_variants(target: Target, scratch: Path, args, progress: Progress) -> t
     generators = {"fp32 (torch)": Generator(target.model, mode="eager"),
                   "fp32 (ORT)": Generator(OrtBackend(export_dir)),
                   "FP8 (ORT)": Generator(OrtBackend(fp8_dir)), "NVFP4 (torch)": Generator(simulated, mode="eager")}
+    for label, bits, block_size, symmetric in WEIGHT_ONLY_VARIANTS:
+        started = time.perf_counter()
+        quantized = weight_only.quantize_export(export_dir, scratch / label.split(" (")[0].replace(" ", "_"),
+                                                bits=bits, block_size=block_size, symmetric=symmetric)
+        facts[f"{label} s"] = round(time.perf_counter() - started, 1)
+        generators[label] = Generator(OrtBackend(quantized))
     return generators, facts
 
 
