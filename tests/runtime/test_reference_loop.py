@@ -22,6 +22,7 @@ class CraftedDenoiser:
 
     vocab_size, max_positions, tokens, device, dtype = 40, 128, TOKENS, torch.device("cpu"), torch.float32
     name, block_causal, residual_config, logits_shift, noise = "crafted", False, None, 0, "mask"
+    vocab_shard = None  # whole: not a tensor-parallel rank
     hidden_size = num_layers = num_kv_heads = head_dim = 1
 
     def __init__(self, confidence=None):
