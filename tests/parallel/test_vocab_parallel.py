@@ -47,6 +47,16 @@ def even_split(vocab_size: int, world: int) -> list[tuple[int, int]]:
     return split_at([sum(sizes[:r]) for r in range(1, world)], vocab_size)
 
 
+def random_split(vocab_size: int, world: int, generator: torch.Generator) -> list[tuple[int, int]]:
+    """Contiguous slices cut at `world - 1` random places."""
+    return split_at(sorted((torch.randperm(vocab_size - 1, generator=generator)[:world - 1] + 1).tolist()), vocab_size)
+
+
+# The tiny models' 43 tokens over 1 to 4 ranks, evenly and not
+TINY_VOCABULARY_SHARDS = [[(0, 43)], [(0, 22), (22, 43)], [(0, 1), (1, 30), (30, 43)],
+                          [(0, 11), (11, 22), (22, 33), (33, 43)]]
+
+
 def split_at(cuts: list[int], vocab_size: int) -> list[tuple[int, int]]:
     edges = [0, *cuts, vocab_size]
     assert all(a < b for a, b in zip(edges, edges[1:])), edges
@@ -480,10 +490,7 @@ def check_residual(logits: torch.Tensor, embedding: torch.Tensor, shards: list[t
 def test_random_residuals_match_the_reference(vocab_size, world, uneven, seed, scale, impossible):
     world = min(world, vocab_size)
     g = torch.Generator().manual_seed(seed)
-    if uneven:
-        shards = split_at(sorted((torch.randperm(vocab_size - 1, generator=g)[:world - 1] + 1).tolist()), vocab_size)
-    else:
-        shards = even_split(vocab_size, world)
+    shards = random_split(vocab_size, world, g) if uneven else even_split(vocab_size, world)
     logits = torch.randn(2, 6, vocab_size, generator=g) * scale
     if impossible:  # -inf logits, whole shards of them too
         logits = logits.masked_fill(torch.rand(logits.shape, generator=g) < 0.4, -INF)
@@ -494,8 +501,7 @@ def test_random_residuals_match_the_reference(vocab_size, world, uneven, seed, s
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("shards", [[(0, 43)], [(0, 22), (22, 43)], [(0, 1), (1, 30), (30, 43)],
-                                    [(0, 11), (11, 22), (22, 33), (33, 43)]])
+@pytest.mark.parametrize("shards", TINY_VOCABULARY_SHARDS)
 def test_residual_of_the_tiny_models_vocabulary(shards, dtype):
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(3, 24, 43, generator=g) * 4
@@ -643,8 +649,7 @@ def check_soft_tokens(scaled: torch.Tensor, weight: torch.Tensor, shards: list[t
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shards", [[(0, 43)], [(0, 22), (22, 43)], [(0, 1), (1, 30), (30, 43)],
-                                    [(0, 11), (11, 22), (22, 33), (33, 43)]])
+@pytest.mark.parametrize("shards", TINY_VOCABULARY_SHARDS)
 def test_soft_tokens(shards, dtype):
     g = torch.Generator().manual_seed(4)
     scaled = torch.randn(2, 16, 43, generator=g) * 4
@@ -691,10 +696,7 @@ def check_token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, alternative
 def test_random_token_logprobs_match_log_softmax(vocab_size, world, uneven, seed, scale, alternatives, mask_first):
     world, alternatives = min(world, vocab_size), min(alternatives, vocab_size - 1)
     g = torch.Generator().manual_seed(seed)
-    if uneven:
-        shards = split_at(sorted((torch.randperm(vocab_size - 1, generator=g)[:world - 1] + 1).tolist()), vocab_size)
-    else:
-        shards = even_split(vocab_size, world)
+    shards = random_split(vocab_size, world, g) if uneven else even_split(vocab_size, world)
     mask_id = 0 if mask_first else vocab_size - 1
     logits = torch.randn(2, 5, vocab_size, generator=g) * scale
     logits[0, 0, mask_id] = 100.0  # the most likely token is the mask: never an alternative
