@@ -19,7 +19,7 @@ from dlmrt.engines import plugin_specs, profiles
 from dlmrt.engines.targets import Target, check_precision
 from dlmrt.core.errors import DlmrtError
 from dlmrt.export import generation_config
-from dlmrt.export.weight_only import is_weight_only
+from dlmrt.export.cpu_quantized import is_cpu_quantized
 from dlmrt.export.export_manifest import ExportManifest, ExportManifestError
 
 PLAN_VERSION = 1
@@ -112,8 +112,9 @@ def make_plan(export_dir: str | Path, target: Target, precision: str, *, tensorr
     for a uniform-noise model, whose prompt runs the encoder over an empty prefix)."""
     export_dir = Path(export_dir)
     export = ExportManifest.read(export_dir)
-    if is_weight_only(export):
-        raise PlanError(f"{export_dir} is a {export.quantization['precision']} weight-only export (MatMulNBits, an "
+    if is_cpu_quantized(export):
+        quantization = export.quantization
+        raise PlanError(f"{export_dir} is an {quantization['precision']} export ({quantization['operator']}, an "
                         f"ONNX Runtime CPU operator TensorRT does not build): build engines from a float32 or "
                         f"bfloat16 export, and run this one with --backend ort on a CPU")
     uniform = export.model.noise == "uniform"

@@ -17,7 +17,7 @@ import onnx.inliner
 import torch
 
 from dlmrt.core.errors import ArgumentError, MissingExtraError
-from dlmrt.export.weight_only import check_quantized, is_weight_only
+from dlmrt.export.cpu_quantized import check_quantized, is_cpu_quantized
 from dlmrt.export.export_manifest import ExportManifest
 from dlmrt.export.models.denoiser import LayerGroupKV
 from dlmrt.runtime.backend import BindingBackend, ModelSpec
@@ -121,10 +121,10 @@ class OrtBackend(BindingBackend):
         if optimization not in OPTIMIZATION_LEVELS:
             raise ArgumentError(f"optimization must be one of {', '.join(OPTIMIZATION_LEVELS)}, got {optimization!r}")
         uniform = spec.noise == "uniform"
-        if is_weight_only(self.manifest):
+        if is_cpu_quantized(self.manifest):
             if device.type != "cpu":
-                raise ArgumentError(f"{self.export_dir} is a {self.manifest.quantization['precision']} weight-only "
-                                    f"export, a CPU format: run it with --device cpu, or export without --precision "
+                raise ArgumentError(f"{self.export_dir} is an {self.manifest.quantization['precision']} export, a "
+                                    f"CPU format: run it with --device cpu, or export without --precision "
                                     f"for {device.type}")
             check_quantized(self.export_dir, self.manifest)
         if uniform and device.type != "cpu":

@@ -9,7 +9,8 @@ of 8, threshold 0.9, dual cache) through each backend that runs on the device:
 - CUDA: torch eager, torch with CUDA graphs (the baseline of the ratios), ONNX Runtime's CUDA
   provider with and without its CUDA graphs, and TensorRT for each stored engine precision of the
   export (`--precisions`, where TensorRT is installed and `dlmrt build` stored the engines);
-- CPU: torch eager (the baseline), torch.compile, ONNX Runtime.
+- CPU: torch eager (the baseline), torch.compile, ONNX Runtime, and ONNX Runtime on the export's int8,
+  int4 and int8-dynamic copies (`dlmrt export --precision`; weight-only in symmetric blocks of 32).
 
 Per case: whether its tokens equal torch eager's, and the share of generated tokens that do (a
 quantized engine may differ in a few), ms per step (the median over `--repeats` runs after one
@@ -43,15 +44,20 @@ from dlmrt.runtime import GenerationSettings, Generator, Threshold, text
 SETTINGS = GenerationSettings(32, 8, Threshold(0.9), cache="dual")
 
 
-def backends(device: str, model_dir: Path, export_dir: Path, engines: Path | None, precisions: list[str]) -> dict:
-    """label -> a function making the case's Generator, and its thread pool; the baseline first."""
+def backends(device: str, model_dir: Path, export_dir: Path, engines: Path | None, precisions: list[str],
+             quantized: dict[str, Path]) -> dict:
+    """label -> a function making the case's Generator, and its thread pool; the baseline first.
+    `quantized`: the export's int8/int4 copies by precision (the CPU cases)."""
     from dlmrt.runtime.ort_backend import OrtBackend
 
     model = dlmrt.load(model_dir, device=device)
     if device == "cpu":
-        return {"torch eager": (lambda: Generator(model, mode="eager"), "torch"),
-                "torch compile": (lambda: Generator(model, mode="compile"), "torch"),
-                "onnxruntime cpu": (lambda: Generator(OrtBackend(export_dir)), "onnxruntime")}
+        cases = {"torch eager": (lambda: Generator(model, mode="eager"), "torch"),
+                 "torch compile": (lambda: Generator(model, mode="compile"), "torch"),
+                 "onnxruntime cpu": (lambda: Generator(OrtBackend(export_dir)), "onnxruntime")}
+        for precision, copy in quantized.items():
+            cases[f"onnxruntime cpu {precision}"] = (lambda copy=copy: Generator(OrtBackend(copy)), "onnxruntime")
+        return cases
     from dlmrt.runtime.trt_backend import TrtBackend
 
     cases = {"torch cudagraph": (lambda: Generator(model, mode="cudagraph"), "torch"),
@@ -132,13 +138,23 @@ def main(argv: list[str] | None = None) -> int:
 
             export_dir = export(model, Path(scratch) / "export", max_batch=max(8, args.batch), max_length=64)
         precisions = [p for p in args.precisions.split(",") if p]
-        cases = backends(args.device, args.model, export_dir, args.engines, precisions)
+        quantized = {}
+        if args.device == "cpu":
+            from dlmrt.engines.quant.cpu_int import quantize_export
+            from dlmrt.export.cpu_quantized import PRECISIONS
+
+            quantized = {precision: quantize_export(export_dir, Path(scratch) / precision, precision=precision)
+                         for precision in PRECISIONS}
+        cases = backends(args.device, args.model, export_dir, args.engines, precisions, quantized)
         rows = run_cases(cases, prompts, args.repeats, progress, console)
     console.print(results_table(rows, args.device))
     if args.json:
         atomic.write_text(args.json, json.dumps({"device": args.device, "cases": rows}, indent=2))
-    # TensorRT's engines compute in 16 bits or fewer: their agreement is reported, not required
-    return 0 if all(row.get("same_tokens") for row in rows if not row["setting"].startswith("tensorrt")) else 1
+    # TensorRT's engines compute in 16 bits or fewer, the int8/int4 exports in fewer still: their agreement
+    # is reported, not required
+    exact = [row for row in rows if not row["setting"].startswith("tensorrt") and not row["setting"].endswith(
+        ("int8", "int4", "int8-dynamic"))]
+    return 0 if all(row.get("same_tokens") for row in exact) else 1
 
 
 if __name__ == "__main__":

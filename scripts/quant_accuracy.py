@@ -13,9 +13,10 @@ is decoded by the Generator, with the same settings, as
 - NVFP4 (torch)   the torch model with NVFP4 fake-quantized transformer Linears
                   (dlmrt.engines.quant.nvfp4.simulate), run by the TorchBackend;
 - int8 / int4 (ORT) the export's weights quantized by onnxruntime's MatMulNBits quantizer
-                  (dlmrt.engines.quant.weight_only, `dlmrt export --precision`), uncalibrated, run by
+                  (dlmrt.engines.quant.cpu_int, `dlmrt export --precision`), uncalibrated, run by
                   ONNX Runtime's CPU provider: int8 and int4 in symmetric blocks of 32, and int4 in
-                  asymmetric blocks of 128.
+                  asymmetric blocks of 128;
+- int8-dynamic (ORT) int8 weights and activations quantized at each call (MatMulInteger).
 
 Token agreement is the fraction of generated positions (the whole gen-length, end-of-sequence fill
 included) equal to fp32's. Exact-match: for the tiny model against the task answers (per task and
@@ -44,7 +45,7 @@ from rich.table import Table
 import dlmrt
 from dlmrt.core import atomic, tasks
 from dlmrt.engines.quant.calibration import calibration_feeds
-from dlmrt.engines.quant import weight_only
+from dlmrt.engines.quant import cpu_int
 from dlmrt.engines.quant.fp8 import quantize_export
 from dlmrt.eval.evaluation import parse_setting
 from dlmrt.export import models
@@ -68,9 +69,9 @@ class Target:
     answers_known: bool  # score against the examples' answers (else against fp32's completions)
 
 
-# (row label, bits, block size, symmetric)
-WEIGHT_ONLY_VARIANTS = [("int8 (ORT)", 8, 32, True), ("int4 (ORT)", 4, 32, True),
-                        ("int4 asym. 128 (ORT)", 4, 128, False)]
+# (row label, precision, block size, symmetric)
+CPU_INT_VARIANTS = [("int8 (ORT)", "int8", 32, True), ("int4 (ORT)", "int4", 32, True),
+                    ("int4 asym. 128 (ORT)", "int4", 128, False), ("int8-dynamic (ORT)", "int8-dynamic", 32, True)]
 
 
 def tiny_target(args) -> Target:
@@ -175,10 +176,10 @@ def build_variants(target: Target, scratch: Path, args, progress: Progress) -> t
     generators = {"fp32 (torch)": Generator(target.model, mode="eager"),
                   "fp32 (ORT)": Generator(OrtBackend(export_dir)),
                   "FP8 (ORT)": Generator(OrtBackend(fp8_dir)), "NVFP4 (torch)": Generator(simulated, mode="eager")}
-    for label, bits, block_size, symmetric in WEIGHT_ONLY_VARIANTS:
+    for label, precision, block_size, symmetric in CPU_INT_VARIANTS:
         started = time.perf_counter()
-        quantized = weight_only.quantize_export(export_dir, scratch / label.split(" (")[0].replace(" ", "_"),
-                                                bits=bits, block_size=block_size, symmetric=symmetric)
+        quantized = cpu_int.quantize_export(export_dir, scratch / label.split(" (")[0].replace(" ", "_"),
+                                            precision=precision, block_size=block_size, symmetric=symmetric)
         facts[f"{label} s"] = round(time.perf_counter() - started, 1)
         generators[label] = Generator(OrtBackend(quantized))
     return generators, facts

@@ -20,8 +20,8 @@ from dlmrt.core import limits
 from dlmrt.core.home import keep_compiled_steps
 from dlmrt.cli.model_param import model_param
 from dlmrt.cli.parallel import checked_plan, parallel_options
-from dlmrt.engines.quant.weight_only import BLOCK_SIZES as WEIGHT_ONLY_BLOCK_SIZES
-from dlmrt.engines.quant.weight_only import PRECISIONS as WEIGHT_ONLY_PRECISIONS
+from dlmrt.engines.quant.cpu_int import BLOCK_SIZES as CPU_INT_BLOCK_SIZES
+from dlmrt.export.cpu_quantized import PRECISIONS as CPU_INT_PRECISIONS
 from dlmrt.cli.errors import UserError, guarded, reports_errors, require_onnx_extra, show_warning
 from dlmrt.cli.types import FLOAT32, LENGTH
 from dlmrt.cli.bench import bench_command
@@ -306,13 +306,14 @@ def _generate(model_dir, prompts, id_prompts, ignore_eos, backend, mode, max_bat
 @click.option("--verify", is_flag=True,
               help="Compare each graph with the torch step under Polygraphy (fp32 tolerances).")
 @click.option("--verbose", is_flag=True, help="With --verify: also print Polygraphy's comparison log.")
-@click.option("--precision", type=click.Choice(tuple(WEIGHT_ONLY_PRECISIONS)), default=None,
-              help="Weight-only quantization for ONNX Runtime on a CPU: every weight MatMul becomes onnxruntime's "
-                   "int8 or int4 MatMulNBits, in blocks along its input width (docs/engines.md#quantization) "
-                   "[default: float weights].")
-@click.option("--quant-block-size", type=click.Choice(tuple(map(str, WEIGHT_ONLY_BLOCK_SIZES))), default="32",
-              show_default=True, help="With --precision: the weights' block size.")
-@click.option("--asymmetric", is_flag=True, help="With --precision: a zero point for each block [default: symmetric].")
+@click.option("--precision", type=click.Choice(tuple(CPU_INT_PRECISIONS)), default=None,
+              help="Quantize for ONNX Runtime on a CPU: int8 or int4 stores every weight MatMul as onnxruntime's "
+                   "MatMulNBits, in blocks along its input width; int8-dynamic as MatMulInteger, its activations "
+                   "quantized at each call (docs/engines.md#quantization) [default: float weights].")
+@click.option("--quant-block-size", type=click.Choice(tuple(map(str, CPU_INT_BLOCK_SIZES))), default="32",
+              show_default=True, help="With --precision int8 or int4: the weights' block size.")
+@click.option("--asymmetric", is_flag=True,
+              help="With --precision int8 or int4: a zero point for each block [default: symmetric].")
 @reports_errors
 def export_command(model_dir, output, opset, dtype, block_length, max_batch, max_length, guidance, verify,
                    verbose, precision, quant_block_size, asymmetric):
@@ -325,7 +326,7 @@ def export_command(model_dir, output, opset, dtype, block_length, max_batch, max
     from dlmrt.export.export_manifest import CANVAS_GRAPHS, ExportManifest
     from dlmrt.export.onnx_export import GRAPHS, export
 
-    if precision is None and (quant_block_size != "32" or asymmetric):
+    if precision not in ("int8", "int4") and (quant_block_size != "32" or asymmetric):
         raise click.UsageError("--quant-block-size and --asymmetric apply with --precision int8 or int4")
     if precision is not None and (verify or dtype != "float32"):
         raise click.UsageError(f"--precision {precision} quantizes a float32 export"
@@ -343,12 +344,11 @@ def export_command(model_dir, output, opset, dtype, block_length, max_batch, max
             export(model, floats, opset=opset, block_length=block_length, max_batch=max_batch,
                    max_length=max_length, guidance=guidance, on_graph=lambda graph: advance())
         if precision is not None:
-            from dlmrt.engines.quant.weight_only import quantize_export
+            from dlmrt.engines.quant.cpu_int import quantize_export
 
             with step_progress(console, f"quantizing to {precision}: graph {{task.completed}} of {graphs}") as advance:
-                quantize_export(floats, output, bits=WEIGHT_ONLY_PRECISIONS[precision],
-                                block_size=int(quant_block_size), symmetric=not asymmetric,
-                                on_graph=lambda graph: advance())
+                quantize_export(floats, output, precision=precision, block_size=int(quant_block_size),
+                                symmetric=not asymmetric, on_graph=lambda graph: advance())
     manifest = ExportManifest.read(output)
     table = Table(title=f"{output} ({manifest.exported_s} s)")
     for column in ("file", "bytes", "sha256"):
