@@ -74,7 +74,7 @@ def count_work(kind: str, model: Denoiser, prompts: Sequence[Sequence[int]], set
     loop decodes `settings` as the bench's reference case does: the fixed policy, no cache."""
     if kind == "reference":
         return _count_reference(model, prompts, dataclasses.replace(settings, policy=Fixed(), cache="none"))
-    if kind == "ort":
+    if kind.partition(":")[0] == "ort":  # ort, or ort:int8 ... over the case's quantized export
         if export_dir is None:
             raise ArgumentError("counting the ort case needs the case's export: give export_dir")
         from dlmrt.runtime.ort_backend import OrtBackend

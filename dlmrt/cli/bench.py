@@ -9,6 +9,7 @@ Every case decodes the same seeded random prompts (`--batch-size` of `--input-le
 `--output-len` (end-of-sequence ignored, as `vllm bench latency` does). Cases of one runtime run in
 turn, round by round, after `--num-iters-warmup` untimed runs each. The first case is the baseline
 of the speed ratios, and each case's tokens are hashed: "same tokens" compares them with the first.
+`ort:int8`, `ort:int4` and `ort:int8-dynamic` run the ort case's export quantized for a CPU.
 """
 
 from __future__ import annotations
@@ -40,17 +41,24 @@ TABLE_WIDTH, WIDE_TABLE_WIDTH = 100, 180
 
 
 def parse_backends(spec: str) -> list[tuple[str, str | None]]:
-    """`torch:eager,ort,reference` -> [("torch", "eager"), ("ort", None), ("reference", None)]."""
+    """`torch:eager,ort,ort:int8,reference` -> [("torch", "eager"), ("ort", None), ("ort", "int8"),
+    ("reference", None)]: an ort case with a precision runs the export quantized for a CPU (`dlmrt export
+    --precision`)."""
+    from dlmrt.export.cpu_quantized import PRECISIONS
+
     found = []
     for part in (p.strip() for p in spec.split(",")):
         name, _, mode = part.partition(":")
         if name == "torch" and (mode or "auto") in TORCH_MODES:
             found.append(("torch", mode or "auto"))
-        elif name in ("ort", "reference") and not mode:
+        elif name == "ort" and (not mode or mode in PRECISIONS):
+            found.append((name, mode or None))
+        elif name == "reference" and not mode:
             found.append((name, None))
         else:
-            raise click.BadParameter(f"unknown backend {part!r}: give torch[:{'|'.join(TORCH_MODES)}], ort or "
-                                     f"reference, comma-separated", param_hint="--backend")
+            raise click.BadParameter(f"unknown backend {part!r}: give torch[:{'|'.join(TORCH_MODES)}], "
+                                     f"ort[:{'|'.join(PRECISIONS)}] or reference, comma-separated",
+                                     param_hint="--backend")
     if len(set(found)) != len(found):
         raise click.BadParameter(f"{spec!r} names a backend twice", param_hint="--backend")
     return found
@@ -92,8 +100,9 @@ SCENARIO_OPTIONS = ("model_name", "backend_spec", "batch_size", "input_len", "ou
              help="A model directory, or a random-weight config: llada-512x6, llada-1024x8, llada-8b (for a GPU), "
                   "llada2-moe-small [default: the tiny model].")
 @click.option("--backend", "backend_spec", default="torch:eager", show_default=True,
-              metavar="torch[:MODE],ort,reference", help="Backends and modes compared side by side, comma-separated; "
-                                                        "the first is the baseline of the speed ratios.")
+              metavar="torch[:MODE],ort[:PRECISION],reference",
+              help="Backends and modes compared side by side, comma-separated; the first is the baseline of the "
+                   "speed ratios. ort:int8, ort:int4 and ort:int8-dynamic run the export quantized for a CPU.")
 @click.option("--batch-size", type=click.IntRange(1, limits.MAX_BATCH), default=1, show_default=True)
 @click.option("--input-len", type=LENGTH, default=32, show_default=True, help="Prompt tokens.")
 @click.option("--output-len", type=LENGTH, default=32, show_default=True, help="Generated tokens (gen-length).")
@@ -346,14 +355,22 @@ def make_cases(model, backends, prompts, settings, scratch: Path, console, ort_t
             from dlmrt.cli.errors import require_onnx_extra
 
             require_onnx_extra()  # before the imports that need it
+            from dlmrt.export.export_manifest import MANIFEST_FILE
             from dlmrt.export.onnx_export import export
             from dlmrt.runtime.layout import canvas_length
             from dlmrt.runtime.ort_backend import OrtBackend
 
             # exactly the canvas these prompts need: a block more overran the tiny model's context on the defaults
             length = canvas_length(prompts, settings.gen_length, settings.block_length, block_causal=model.block_causal)
-            with console.status(f"exporting {model.name} for ONNX Runtime"):
-                export_dir = export(model, scratch / "export", max_batch=len(prompts), max_length=length)
+            export_dir = scratch / "export"
+            if not (export_dir / MANIFEST_FILE).exists():
+                with console.status(f"exporting {model.name} for ONNX Runtime"):
+                    export(model, export_dir, max_batch=len(prompts), max_length=length)
+            if mode is not None:
+                from dlmrt.engines.quant.cpu_int import quantize_export
+
+                with console.status(f"quantizing the export: {mode}"):
+                    export_dir = quantize_export(export_dir, case_export(scratch, label), precision=mode)
             generator = Generator(OrtBackend(export_dir, spinning=False, threads=ort_threads))  # between torch's
 
         def run(label=label, generator=generator):
@@ -374,6 +391,12 @@ def timed_rounds(cases, rounds: int, warmups: int, progress, canary: bool):
     return interleaved_rounds(timed, rounds, warmups, advance=lambda: progress.advance(task))
 
 
+def case_export(scratch: Path, label: str) -> Path:
+    """Where an ort case's export lies: the float one, or its quantized copy (ort:int8 ...)."""
+    _, _, precision = label.partition(":")
+    return scratch / (precision or "export")
+
+
 def count_cases(model, backends, prompts, settings, scratch: Path, progress) -> dict[str, dict]:
     """Each case's counted work, from one instrumented run of a backend built as the case's was. The
     reference loop is the timing's yardstick, not a product: counting it (some 10 s a scenario) would
@@ -384,7 +407,7 @@ def count_cases(model, backends, prompts, settings, scratch: Path, progress) -> 
     task = progress.add_task("counting work", total=len(counted))
     work = {}
     for label in counted:
-        work[label] = count_work(label, model, prompts, settings, export_dir=scratch / "export").as_dict()
+        work[label] = count_work(label, model, prompts, settings, export_dir=case_export(scratch, label)).as_dict()
         progress.advance(task)
     return work
 

@@ -46,6 +46,18 @@ def test_onnx_runtime_runs_on_the_defaults(tmp_path):
     assert "input 32, output 32" in result.output
 
 
+def test_the_cpu_quantized_exports_run_beside_the_float_one(tmp_path):
+    """ort:int8 and ort:int8-dynamic run quantized copies of the ort case's export, in the same rounds."""
+    pytest.importorskip("onnxruntime")
+    out = tmp_path / "bench.json"
+    result = bench("--backend", "ort,ort:int8,ort:int8-dynamic", "--batch-size", 2, "--input-len", 8,
+                   "--output-len", 16, "--block-length", 8, "--num-iters", 1, "--output-json", out)
+    assert result.exit_code == 0, result.output
+    cases = json.loads(out.read_text())["scenarios"]["bench"]["cases"]
+    assert [c["setting"] for c in cases] == ["ort", "ort:int8", "ort:int8-dynamic"]
+    assert all(case["nfe"] > 0 for case in cases)
+
+
 def test_a_named_random_config_needs_no_download(tmp_path):
     out = tmp_path / "bench.json"
     result = bench("--model", "llada2-moe-small", "--input-len", 8, "--output-len", 8, "--num-iters", 1,
@@ -63,6 +75,8 @@ def test_a_named_random_config_needs_no_download(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--backend", "tensorflow"], "unknown backend 'tensorflow'"),
     (["--backend", "torch:fast"], "unknown backend 'torch:fast'"),
+    (["--backend", "ort:int3"], "unknown backend 'ort:int3': give torch[:eager|compile|cudagraph|auto], "
+                                "ort[:int8|int4|int8-dynamic] or reference"),
     (["--backend", "torch,torch:auto"], "names a backend twice"),
     (["--model", "llada-9000"], "is neither a model directory nor a random config"),
     (["--num-iters", "0"], "'--num-iters': 0 is not in the range"),
