@@ -95,9 +95,6 @@ def serve_command(model_dir, backend, mode, device, dtype, max_batch, host, port
         raise click.UsageError(f"--replicas {replicas} is the count at start: it lies within --autoscale "
                                f"{autoscale[0]}:{autoscale[1]}")
     if replicas is not None:
-        if max(tp, ep) > 1:
-            raise click.UsageError("--replicas with --tp/--ep: a model split over ranks serves as one server "
-                                   "(dlmrt serve --tp N); Ray Serve replicas of it are not built yet")
         require_ray_extra()
     import uvicorn
 
@@ -111,9 +108,10 @@ def serve_command(model_dir, backend, mode, device, dtype, max_batch, host, port
     opening = {"backend": backend, "model_dir": model_dir, "mode": mode, "device": device, "dtype": dtype,
                "max_batch": max_batch}
     build = functools.partial(build_app, opening, limits=limits, served_model_name=served_model_name)
+    checked = checked_plan(tp, ep, backend, model_dir, dtype, device) if max(tp, ep) > 1 else None
     if replicas is not None:
-        return _serve_replicas(build, backend, model_dir, device, dtype, max_batch, limits, host, port, log_level,
-                               replicas, threads_per_replica, autoscale)
+        return _serve_replicas(opening, build, checked, limits, host, port, log_level, replicas, threads_per_replica,
+                               autoscale)
 
     def run_server(parallel=None, leader=None) -> None:
         app = build(parallel=parallel, leader=leader)
@@ -124,9 +122,9 @@ def serve_command(model_dir, backend, mode, device, dtype, max_batch, host, port
         signal.signal(signal.SIGTERM, _exit_cleanly)
         server.run()
 
-    if max(tp, ep) == 1:
+    if checked is None:
         return run_server()
-    _serve_on_ranks(checked_plan(tp, ep, backend, model_dir, dtype, device), opening, run_server)
+    _serve_on_ranks(checked, opening, run_server)
 
 
 def build_app(opening: dict, *, limits, served_model_name, parallel=None, leader=None):
@@ -140,6 +138,17 @@ def build_app(opening: dict, *, limits, served_model_name, parallel=None, leader
     model, built = _open(opening, parallel)
     return create_app(model, built, limits, served_model_name,
                       chat_template=load_chat_template(opening["model_dir"] or TINY_MODEL_DIR), leader=leader)
+
+
+def build_split_app(plan, device: str, threads: int, opening: dict, build):
+    """A replica of a model split over ranks (--replicas with --tp/--ep), in its Ray actor: this process leads
+    the ranks (each taking `threads` torch threads on a CPU), then builds the app (`build`, a build_app) as
+    their rank 0. A follower that fails ends the replica, which Ray replaces."""
+    from dlmrt.parallel import launch
+    from dlmrt.parallel.lockstep import Channel, Leader
+
+    ranks, _ = launch.lead(_follow, plan.world, (plan, opening), device=device, threads=threads, on_failure=_abort)
+    return build(parallel=(plan, ranks), leader=Leader(Channel(ranks)))
 
 
 def _open(opening: dict, parallel):
@@ -205,29 +214,34 @@ def _abort(line: str) -> None:
     os._exit(2)
 
 
-def _serve_replicas(build, backend, model_dir, device, dtype, max_batch, limits, host, port, log_level, replicas,
-                    threads, autoscale):
-    """--replicas: check what can be checked here, then `dlmrt.serve.replicas` until SIGINT or SIGTERM."""
+def _serve_replicas(opening: dict, build, checked, limits, host, port, log_level, replicas, threads, autoscale):
+    """--replicas: check what can be checked here, then `dlmrt.serve.replicas` until SIGINT or SIGTERM.
+    `checked`: the (ParallelPlan, device) of a model split over ranks, each replica spanning them; or None."""
     import torch
 
     from dlmrt.cli.backends import ensure_exported, resolve_device
     from dlmrt.serve.replicas import ReplicaPlan, serve_replicas
 
+    backend, model_dir, dtype = opening["backend"], opening["model_dir"], opening["dtype"]
     if model_dir is not None and not model_dir.exists():  # before Ray starts, not in each replica
         raise UserError(f"model directory {model_dir} does not exist")
     most = autoscale[1] if autoscale else replicas
-    gpus = resolve_device(backend, device) == "cuda"
-    if gpus and most > torch.cuda.device_count():
-        raise click.UsageError(f"--replicas on CUDA takes a GPU a replica: {most} asked for, "
-                               f"{torch.cuda.device_count()} here")
+    ranks = 1 if checked is None else checked[0].world
+    gpus = resolve_device(backend, opening["device"]) == "cuda"
+    if gpus and most * ranks > torch.cuda.device_count():
+        raise click.UsageError(f"--replicas on CUDA takes a GPU for each rank of a replica: {most} x {ranks} asked "
+                               f"for, {torch.cuda.device_count()} here")
     if backend == "ort":  # export once here (if needed), rather than in each replica at once
         from rich.console import Console
 
         from dlmrt import TINY_MODEL_DIR
 
         ensure_exported(model_dir or TINY_MODEL_DIR, dtype, Console(stderr=True))
-    plan = ReplicaPlan(replicas=replicas, threads=threads or max(1, (os.cpu_count() or 1) // most), limits=limits,
-                       max_batch=max_batch, gpus=gpus, autoscale=autoscale, log_level=log_level)
+    threads = threads or max(1, (os.cpu_count() or 1) // most)
+    if checked is not None:
+        build = functools.partial(build_split_app, *checked, max(1, threads // ranks), opening, build)
+    plan = ReplicaPlan(replicas=replicas, threads=threads, limits=limits, max_batch=opening["max_batch"],
+                       gpus=gpus, ranks=ranks, autoscale=autoscale, log_level=log_level)
     serve_replicas(build, plan, host=host, port=port, announce=lambda line: click.echo(line, err=True))
 
 

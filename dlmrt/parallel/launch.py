@@ -60,8 +60,9 @@ def _backend_for(device: str) -> str:
     return "nccl" if device.startswith("cuda") else "gloo"
 
 
-def init_rank(rank: int, world: int, device: str, timeout: timedelta):
-    """Join the process group as `rank` (its address is in the environment) and return its Ranks."""
+def init_rank(rank: int, world: int, device: str, timeout: timedelta, threads: int | None = None):
+    """Join the process group as `rank` (its address is in the environment) and return its Ranks. On a CPU
+    the rank takes `threads` torch threads (default: its share of the machine's cores)."""
     import torch
     import torch.distributed as dist
 
@@ -71,17 +72,17 @@ def init_rank(rank: int, world: int, device: str, timeout: timedelta):
         local = int(os.environ.get("LOCAL_RANK", rank))  # torchrun's rank on this node
         torch.cuda.set_device(local % torch.cuda.device_count())
     else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group(_backend_for(device), rank=rank, world_size=world, timeout=timeout)
     return Ranks(rank, world)
 
 
 def _rank_main(rank: int, job: Callable, args: tuple, world: int, device: str, timeout: timedelta,
-               results) -> None:
+               results, threads: int | None = None) -> None:
     import torch.distributed as dist
 
     try:
-        ranks = init_rank(rank, world, device, timeout)
+        ranks = init_rank(rank, world, device, timeout, threads)
         # pickled here, so that tensors travel by value rather than as shared memory of an exiting process
         results.put((rank, "result", pickle.dumps(job(ranks, *args))))
     except BaseException as error:  # reported to the launcher, which ends every rank
@@ -253,15 +254,16 @@ class _Report:
 
 
 def _follower_main(index: int, job: Callable, args: tuple, world: int, device: str, timeout: timedelta,
-                   reports: list) -> None:
-    _rank_main(index + 1, job, args, world, device, timeout, _Report(reports[index]))
+                   reports: list, threads: int | None) -> None:
+    _rank_main(index + 1, job, args, world, device, timeout, _Report(reports[index]), threads)
 
 
 def lead(job: Callable, world: int, args: tuple = (), *, device: str = "cpu", timeout: timedelta = DEFAULT_TIMEOUT,
-         on_failure: Callable[[str], None]):
+         threads: int | None = None, on_failure: Callable[[str], None]):
     """Make this process rank 0 of a new group of `world`, whose ranks 1, 2, ... run `job(ranks, *args)` in
-    new processes: (this process's Ranks, their Followers). `on_failure(line)` is called if a follower ends
-    before `Followers.join`: by then every other follower has been killed."""
+    new processes: (this process's Ranks, their Followers). On a CPU each rank takes `threads` torch threads
+    (default: its share of the machine's cores). `on_failure(line)` is called if a follower ends before
+    `Followers.join`: by then every other follower has been killed."""
     import torch.multiprocessing as mp
 
     pipes = [mp.get_context("spawn").Pipe(duplex=False) for _ in range(world - 1)]
@@ -269,13 +271,13 @@ def lead(job: Callable, world: int, args: tuple = (), *, device: str = "cpu", ti
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     try:
         processes = mp.start_processes(_follower_main, args=(job, args, world, device, timeout,
-                                                             [sending for _, sending in pipes]),
+                                                             [sending for _, sending in pipes], threads),
                                        nprocs=world - 1, join=False, start_method="spawn").processes
         for _, sending in pipes:  # the followers' own now: a follower that dies closes its pipe
             sending.close()
         followers = Followers(processes, [receiving for receiving, _ in pipes], world, timeout, on_failure)
         try:
-            return init_rank(0, world, device, timeout), followers
+            return init_rank(0, world, device, timeout, threads), followers
         except BaseException:
             followers.kill()
             raise

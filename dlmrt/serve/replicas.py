@@ -6,6 +6,9 @@
 Each replica is a Ray actor that builds the whole app (`build_app()`: the backend and the model, then
 `dlmrt.serve.app.create_app`, so there is one definition of the API) with its own scheduler and
 running batch, on one GPU (`ray_actor_options={"num_gpus": 1}`) or, on a CPU, `threads` torch threads.
+A model split over ranks (`--tp`/`--ep`) is one replica spanning them: the replica's process is rank 0
+and starts its other ranks itself (`dlmrt.parallel.lockstep`), with a GPU for each (`num_gpus: ranks`),
+or its threads shared among them.
 Ray Serve's proxy is the one HTTP ingress: it routes each request to a replica (power of two choices
 over the requests each holds) and streams the answer back, server-sent events included.
 
@@ -61,7 +64,8 @@ class ReplicaPlan:
     threads: int  # torch threads in each replica
     limits: ServerLimits
     max_batch: int  # the rows of a replica's running batch
-    gpus: bool = False  # one GPU a replica
+    gpus: bool = False  # a GPU for each of a replica's ranks
+    ranks: int = 1  # processes a replica spans: a model split over ranks (--tp/--ep) is one replica
     autoscale: tuple[int, int] | None = None  # (min, max) replicas
     log_level: str = "info"
 
@@ -81,7 +85,7 @@ def deployment_options(plan: ReplicaPlan) -> dict:
     """`@serve.deployment`'s options for `plan`."""
     actor = {"num_cpus": plan.threads}
     if plan.gpus:
-        actor["num_gpus"] = 1
+        actor["num_gpus"] = plan.ranks
     options = dict(name=APP_NAME, ray_actor_options=actor, max_ongoing_requests=plan.max_ongoing_requests,
                    graceful_shutdown_timeout_s=plan.limits.shutdown_timeout_s, graceful_shutdown_wait_loop_s=0.5,
                    health_check_period_s=HEALTH_CHECK_PERIOD_S, health_check_timeout_s=HEALTH_CHECK_TIMEOUT_S)

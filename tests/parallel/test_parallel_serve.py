@@ -138,7 +138,6 @@ def test_a_rank_that_dies_ends_the_server_with_one_line():
     (["--tp", "3"], "--tp 3 does not fit tiny-llada: 4 query heads do not split over 3 ranks"),
     (["--tp", "2", "--backend", "ort"], "--backend ort has no tensor- or expert-parallel path"),
     (["--ep", "2"], "--ep 2: this LLaDA model has no MoE layers to split"),
-    (["--tp", "2", "--replicas", "2"], "--replicas with --tp/--ep: a model split over ranks serves as one server"),
 ])
 def test_serve_refuses_a_split_that_cannot_run_in_one_line_before_any_rank_starts(args, message, monkeypatch):
     from click.testing import CliRunner

@@ -101,6 +101,27 @@ def test_the_plan_divides_the_cpus_among_the_replicas(monkeypatch, args, threads
     assert plan.max_batch == 8 and plan.limits.max_queue == 5
 
 
+def test_a_replica_of_a_split_model_spans_its_ranks(monkeypatch):
+    """--replicas with --tp: each replica leads its own ranks (build_split_app), a GPU for each rank, or the
+    replica's threads shared among them."""
+    from dlmrt.cli.serve import build_split_app
+
+    monkeypatch.setattr("dlmrt.cli.serve.require_ray_extra", lambda: None)
+    started = []
+    monkeypatch.setattr("dlmrt.serve.replicas.serve_replicas",
+                        lambda build, plan, **where: started.append((build, plan)))
+    result = run("serve", "--replicas", "2", "--tp", "2", "--device", "cpu", "--threads-per-replica", "3")
+    assert result.exit_code == 0, result.output
+    build, plan = started[0]
+    assert plan.ranks == 2 and plan.threads == 3
+    assert build.func is build_split_app and build.args[0].tp == 2 and build.args[1:3] == ("cpu", 1)
+    gpus = deployment_options(ReplicaPlan(replicas=2, threads=1, limits=ServerLimits(), max_batch=8, gpus=True,
+                                          ranks=2))
+    assert gpus["ray_actor_options"] == {"num_cpus": 1, "num_gpus": 2}
+    refused = run("serve", "--replicas", "2", "--tp", "3", "--device", "cpu")
+    assert refused.exit_code == 2 and "--tp 3 does not fit tiny-llada" in refused.output and len(started) == 1
+
+
 def test_deployment_options_fixed_and_autoscaled():
     limits = ServerLimits(max_queue=5, shutdown_timeout_s=7.0)
     fixed = deployment_options(ReplicaPlan(replicas=3, threads=2, limits=limits, max_batch=8))
@@ -303,3 +324,16 @@ def test_two_replicas_answer_as_one_server_does_and_stop_cleanly():
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{url}/health", timeout=5)
     print(f"ready after {ready_s:.1f} s, stopped {stopped_s:.1f} s after SIGTERM")
+
+
+@pytest.mark.slow
+def test_two_replicas_of_a_split_model_answer_as_one_server_does_and_stop_cleanly():
+    pytest.importorskip("ray.serve", reason="--replicas needs the 'ray' extra")
+    with dlmrt_serve() as (_, port):
+        alone = _answers(f"http://127.0.0.1:{port}")
+    with dlmrt_serve_replicas("--replicas", "2", "--tp", "2", "--threads-per-replica", "2") as (server, port, lines):
+        assert _answers(f"http://127.0.0.1:{port}") == alone
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(60) == 0, "".join(lines)[-3000:]
+    output = "".join(lines)
+    assert "Traceback" not in output and "Error" not in output, output[-3000:]
