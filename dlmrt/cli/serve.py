@@ -124,7 +124,9 @@ def serve_command(model_dir, backend, mode, device, dtype, max_batch, host, port
 
     if checked is None:
         return run_server()
-    _serve_on_ranks(checked, opening, run_server)
+    from dlmrt.cli.serve_ranks import serve_on_ranks
+
+    serve_on_ranks(checked, opening, run_server)
 
 
 def build_app(opening: dict, *, limits, served_model_name, parallel=None, leader=None):
@@ -135,83 +137,18 @@ def build_app(opening: dict, *, limits, served_model_name, parallel=None, leader
     from dlmrt.core.chat_template import load_chat_template
     from dlmrt.serve.app import create_app
 
-    model, built = _open(opening, parallel)
+    model, built = open_served(opening, parallel)
     return create_app(model, built, limits, served_model_name,
                       chat_template=load_chat_template(opening["model_dir"] or TINY_MODEL_DIR), leader=leader)
 
 
-def build_split_app(plan, device: str, threads: int, opening: dict, build):
-    """A replica of a model split over ranks (--replicas with --tp/--ep), in its Ray actor: this process leads
-    the ranks (each taking `threads` torch threads on a CPU), then builds the app (`build`, a build_app) as
-    their rank 0. A follower that fails ends the replica, which Ray replaces."""
-    from dlmrt.parallel import launch
-    from dlmrt.parallel.lockstep import Channel, Leader
-
-    ranks, _ = launch.lead(_follow, plan.world, (plan, opening), device=device, threads=threads, on_failure=_abort)
-    return build(parallel=(plan, ranks), leader=Leader(Channel(ranks)))
-
-
-def _open(opening: dict, parallel):
+def open_served(opening: dict, parallel):
+    """(model, backend) of the server's options `opening`; `parallel`: a rank's (ParallelPlan, Ranks)."""
     from rich.console import Console
 
     from dlmrt.cli.backends import open_backend
 
     return open_backend(**opening, engines=None, precision=None, console=Console(stderr=True), parallel=parallel)
-
-
-def _serve_on_ranks(checked, opening: dict, run_server) -> None:
-    """--tp/--ep: this process serves as rank 0, and the other ranks follow its batches: ranks dlmrt starts
-    (which end with it, and end it if one fails), or torchrun's."""
-    from dlmrt.parallel import launch
-
-    plan, device = checked
-    if launch.launched_by_torchrun():
-        launch.run_as_launched_rank(_serve_or_follow, (plan, opening, run_server), device=device)
-        return
-    ranks, followers = launch.lead(_follow, plan.world, (plan, opening), device=device, on_failure=_abort)
-    try:
-        _lead(ranks, plan, run_server)
-    finally:
-        followers.join()
-
-
-def _lead(ranks, plan, run_server) -> None:
-    """Rank 0: serve, and whichever way the server ends, stop the followers (the lifespan's stop, if it ran,
-    has done it already)."""
-    from dlmrt.parallel.lockstep import Channel, Leader
-
-    leader = Leader(Channel(ranks))
-    try:
-        run_server((plan, ranks), leader)
-    finally:
-        leader.stop()
-
-
-def _serve_or_follow(ranks, plan, opening: dict, run_server) -> None:
-    """A torchrun rank: rank 0 serves, the others follow."""
-    if ranks.rank == 0:
-        _lead(ranks, plan, run_server)
-    else:
-        _follow(ranks, plan, opening)
-
-
-def _follow(ranks, plan, opening: dict) -> None:
-    """A rank other than 0: its part of the model replays rank 0's batches until rank 0 stops."""
-    from dlmrt.parallel.lockstep import Channel, follow
-
-    # Ctrl-C, or a supervisor's SIGTERM to the whole process group, reaches every rank: rank 0 drains, then stops
-    # this one (which fails out of its wait if rank 0 dies instead)
-    for stop in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(stop, signal.SIG_IGN)
-    channel = Channel(ranks)  # before the model loads: rank 0 stops this rank even if its own load fails
-    _, backend = _open(opening, (plan, ranks))
-    follow(backend, channel)
-
-
-def _abort(line: str) -> None:
-    """A follower failed: the model is incomplete, so the server ends at once, with one line."""
-    click.echo(f"Error: {line}", err=True)
-    os._exit(2)
 
 
 def _serve_replicas(opening: dict, build, checked, limits, host, port, log_level, replicas, threads, autoscale):
@@ -239,6 +176,8 @@ def _serve_replicas(opening: dict, build, checked, limits, host, port, log_level
         ensure_exported(model_dir or TINY_MODEL_DIR, dtype, Console(stderr=True))
     threads = threads or max(1, (os.cpu_count() or 1) // most)
     if checked is not None:
+        from dlmrt.cli.serve_ranks import build_split_app
+
         build = functools.partial(build_split_app, *checked, max(1, threads // ranks), opening, build)
     plan = ReplicaPlan(replicas=replicas, threads=threads, limits=limits, max_batch=opening["max_batch"],
                        gpus=gpus, ranks=ranks, autoscale=autoscale, log_level=log_level)
