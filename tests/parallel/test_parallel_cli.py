@@ -1,5 +1,6 @@
 """`dlmrt generate --tp/--ep`: ranks it starts itself or torchrun's, rank 0 alone prints; what does not fit is
-refused in one line before any rank starts; a rank killed mid-run ends the command with one error."""
+refused in one line before any rank starts (by `dlmrt serve` too); a rank killed mid-run ends the command with
+one error."""
 
 from __future__ import annotations
 
@@ -34,12 +35,14 @@ def dlmrt(*args: str, launcher: tuple[str, ...] = (sys.executable, "-m", "dlmrt.
     (["--tp", "2", "--ep", "4"], "with both above 1 they must be equal"),
     (["--tp", "0"], "Invalid value for '--tp'"),
 ])
-def test_a_split_that_cannot_run_is_refused_in_one_line_before_any_rank_starts(args, message, monkeypatch):
+@pytest.mark.parametrize("command", [["generate", "--prompt", "add:1+2="], ["serve"]], ids=["generate", "serve"])
+def test_a_split_that_cannot_run_is_refused_in_one_line_before_any_rank_starts(command, args, message, monkeypatch):
     def no_ranks(*args, **kwargs):
         raise AssertionError("a rank was started")
 
     monkeypatch.setattr("dlmrt.parallel.launch.run_ranks", no_ranks)
-    result = CliRunner().invoke(main, ["generate", *args, "--prompt", "add:1+2="])
+    monkeypatch.setattr("dlmrt.parallel.launch.lead", no_ranks)
+    result = CliRunner().invoke(main, [*command, *args])
     assert result.exit_code == 2
     assert message in result.output
     assert "Traceback" not in result.output
