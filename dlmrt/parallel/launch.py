@@ -56,6 +56,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@contextlib.contextmanager
+def _local_rendezvous():
+    """MASTER_ADDR and MASTER_PORT of a new group on this machine (a free port), for the processes started and
+    the group joined meanwhile; the environment as it was afterwards."""
+    previous = {name: os.environ.get(name) for name in ("MASTER_ADDR", "MASTER_PORT")}
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    try:
+        yield
+    finally:
+        for name, value in previous.items():
+            os.environ.pop(name, None) if value is None else os.environ.__setitem__(name, value)
+
+
 def _backend_for(device: str) -> str:
     return "nccl" if device.startswith("cuda") else "gloo"
 
@@ -131,14 +144,9 @@ def run_ranks(job: Callable, world: int, args: tuple = (), *, device: str = "cpu
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     context = mp.get_context("spawn")
     results = context.SimpleQueue()
-    previous = {name: os.environ.get(name) for name in ("MASTER_ADDR", "MASTER_PORT")}
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    try:
+    with _local_rendezvous():
         processes = mp.start_processes(_rank_main, args=(job, args, world, device, timeout, results),
                                        nprocs=world, join=False, start_method="spawn")
-    finally:
-        for name, value in previous.items():
-            os.environ.pop(name, None) if value is None else os.environ.__setitem__(name, value)
     received: dict[int, Any] = {}
     reported: dict[int, str] = {}
 
@@ -267,9 +275,7 @@ def lead(job: Callable, world: int, args: tuple = (), *, device: str = "cpu", ti
     import torch.multiprocessing as mp
 
     pipes = [mp.get_context("spawn").Pipe(duplex=False) for _ in range(world - 1)]
-    previous = {name: os.environ.get(name) for name in ("MASTER_ADDR", "MASTER_PORT")}
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    try:
+    with _local_rendezvous():
         processes = mp.start_processes(_follower_main, args=(job, args, world, device, timeout,
                                                              [sending for _, sending in pipes], threads),
                                        nprocs=world - 1, join=False, start_method="spawn").processes
@@ -281,6 +287,3 @@ def lead(job: Callable, world: int, args: tuple = (), *, device: str = "cpu", ti
         except BaseException:
             followers.kill()
             raise
-    finally:
-        for name, value in previous.items():
-            os.environ.pop(name, None) if value is None else os.environ.__setitem__(name, value)

@@ -60,11 +60,16 @@ class Leader:
         self.stopped = False
 
     def open_batch(self, backend: Backend, on_progress: Callable[[list[BlockProgress]], None] | None = None):
-        self._pending.append(("open",))
+        self.queue("open")
         return _LeaderBatch(self, open_batch(backend, on_progress=on_progress, agree=self.channel.share))
 
-    def send(self, *message) -> None:
+    def queue(self, *message) -> None:
+        """`message` goes with the next one sent."""
         self._pending.append(message)
+
+    def send(self, *message) -> None:
+        """`message`, after those queued, to every follower now."""
+        self.queue(*message)
         messages, self._pending = self._pending, []
         self.channel.share(messages)
 
@@ -86,14 +91,14 @@ class _LeaderBatch:
 
     def add(self, tag: object, prompt: Sequence[int], settings: GenerationSettings, *, seed: int, **options) -> None:
         self._batch.add(tag, prompt, settings, seed=seed, **options)  # a row that cannot join raises here, unsent
-        self._leader._pending.append(("add", tag, list(prompt), settings, seed))
+        self._leader.queue("add", tag, list(prompt), settings, seed)
 
     def run_block(self):
         self._leader.send("run_block")
         return self._batch.run_block()
 
     def close(self) -> None:
-        self._leader._pending.append(("close",))
+        self._leader.queue("close")
         self._batch.close()
 
 

@@ -23,13 +23,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import shutil
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from dlmrt.core import atomic
 from dlmrt.core.errors import ArgumentError
+from dlmrt.engines.quant.quantized_copy import quantized_copy
 from dlmrt.export.cpu_quantized import MODE, PRECISIONS, quantized_matmuls
 
 BLOCK_SIZES = (16, 32, 64, 128, 256)  # what MatMulNBits takes
@@ -102,7 +101,7 @@ def quantize_export(export_dir: str | Path, out_dir: str | Path, *, precision: s
     if block_size not in BLOCK_SIZES:
         raise ArgumentError(f"the block size must be one of {', '.join(map(str, BLOCK_SIZES))}, got {block_size}")
     export_dir = Path(export_dir)
-    manifest = ExportManifest.load(export_dir)
+    manifest = ExportManifest.read(export_dir)  # quantized_copy checks its files
     if manifest.quantization is not None:
         raise ArgumentError(f"{export_dir} is already quantized ({manifest.quantization.get('mode')}): quantize a "
                             f"float32 export")
@@ -111,20 +110,16 @@ def quantize_export(export_dir: str | Path, out_dir: str | Path, *, precision: s
                             f"{manifest.model.dtype}: export with --dtype float32")
     operator, bits = PRECISIONS[precision]
     started, counts = time.perf_counter(), {}
-    with atomic.directory(out_dir, replaces=ExportManifest.present, what="a dlmrt export") as staging:
-        for graph, entry in manifest.graphs.items():
-            quantize_graph(export_dir / entry.file, staging / entry.file, precision=precision,
-                           block_size=block_size, symmetric=symmetric)
-            counts[graph] = quantized_matmuls(onnx.load(staging / entry.file))[operator, bits]
-            if on_graph is not None:
-                on_graph(graph)
-        for name in manifest.files:
-            if name not in {entry.file for entry in manifest.graphs.values()}:
-                shutil.copy2(export_dir / name, staging / name)
+
+    def quantize(graph: str, source: Path, target: Path) -> None:
+        quantize_graph(source, target, precision=precision, block_size=block_size, symmetric=symmetric)
+        counts[graph] = quantized_matmuls(onnx.load(target))[operator, bits]
+
+    def describe() -> dict:
         weights = {"block_size": block_size, "symmetric": symmetric} if operator == "MatMulNBits" else \
             {"weights": "int8, one scale a tensor", "activations": "int8, quantized at each call"}
-        quantization = {"mode": MODE, "precision": precision, "operator": operator, "bits": bits, **weights,
-                        "tool": f"onnxruntime {onnxruntime.__version__}", "quantized_matmuls": counts,
-                        "seconds": round(time.perf_counter() - started, 2)}
-        manifest.with_files(staging, quantization=quantization).save(staging)
-    return Path(out_dir)
+        return {"quantization": {"mode": MODE, "precision": precision, "operator": operator, "bits": bits, **weights,
+                                 "tool": f"onnxruntime {onnxruntime.__version__}", "quantized_matmuls": counts,
+                                 "seconds": round(time.perf_counter() - started, 2)}}
+
+    return quantized_copy(export_dir, out_dir, quantize, describe, on_graph)

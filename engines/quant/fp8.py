@@ -23,7 +23,6 @@ import contextlib
 import copy
 import io
 import os
-import shutil
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -36,6 +35,7 @@ import onnx
 from dlmrt.core import atomic
 from dlmrt.core.errors import DlmrtError, MissingExtraError
 from dlmrt.engines.quant.calibration import CalibrationError, calibration_feeds
+from dlmrt.engines.quant.quantized_copy import quantized_copy
 
 FP8_OPSET = 19  # float8 QuantizeLinear/DequantizeLinear
 FP8_TYPE = onnx.TensorProto.FLOAT8E4M3FN
@@ -265,23 +265,21 @@ def quantize_export(export_dir: str | Path, out_dir: str | Path, *,
 
     _modelopt_quantize()  # the missing extra is reported before any calibration runs
     export_dir = Path(export_dir)
-    manifest = ExportManifest.load(export_dir)
+    manifest = ExportManifest.read(export_dir)  # quantized_copy checks its files
     reports = {}
-    with atomic.directory(out_dir, replaces=ExportManifest.present, what="a dlmrt export") as staging:
-        for graph, entry in manifest.graphs.items():
-            feeds = calibration_feeds(export_dir, graph, prompts, count, seed)
-            report = quantize_onnx(export_dir / entry.file, staging / entry.file, feeds,
-                                   calibration_method=calibration_method)
-            reports[graph] = replace(report, out_path=str(Path(out_dir) / entry.file))
-            if on_graph is not None:
-                on_graph(graph)
-        for name in manifest.files:
-            if name not in {entry.file for entry in manifest.graphs.values()}:
-                shutil.copy2(export_dir / name, staging / name)
-        quantization = {"mode": "fp8", "tool": f"nvidia-modelopt {_modelopt_version()}",
-                        "source": str(export_dir.resolve()), "calibration_method": calibration_method,
-                        "graphs": {g: {k: v for k, v in r.to_dict().items() if k not in ("in_path", "out_path")}
-                                   for g, r in reports.items()}}
-        manifest.with_files(staging, opset=max(manifest.opset, FP8_OPSET), quantization=quantization).save(staging)
+
+    def quantize_graph(graph: str, source: Path, target: Path) -> None:
+        report = quantize_onnx(source, target, calibration_feeds(export_dir, graph, prompts, count, seed),
+                               calibration_method=calibration_method)
+        reports[graph] = replace(report, out_path=str(Path(out_dir) / target.name))
+
+    def describe() -> dict:
+        return {"opset": max(manifest.opset, FP8_OPSET), "quantization": {
+            "mode": "fp8", "tool": f"nvidia-modelopt {_modelopt_version()}", "source": str(export_dir.resolve()),
+            "calibration_method": calibration_method,
+            "graphs": {g: {k: v for k, v in r.to_dict().items() if k not in ("in_path", "out_path")}
+                       for g, r in reports.items()}}}
+
+    quantized_copy(export_dir, out_dir, quantize_graph, describe, on_graph)
     return Path(out_dir), reports
 
