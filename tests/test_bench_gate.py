@@ -75,6 +75,7 @@ def test_a_wasted_forward_per_block(recorded, monkeypatch):
     assert "torch:eager: flops_per_token is" in gate_fails(recorded, "torch")
 
 
+@pytest.mark.timing
 def test_every_step_30_percent_slower_by_a_pure_delay(recorded, monkeypatch, tmp_path):
     """No work is added, so no count changes: the paired timing must see it. (The scenario without
     compile: a step that sleeps cannot compile.) Its baseline is recorded right before the check: the

@@ -116,6 +116,7 @@ def suite(tmp_path):
     return path, baseline
 
 
+@pytest.mark.timing
 def test_the_gate_passes_an_unchanged_tree_and_writes_its_summaries(suite, tmp_path):
     path, baseline = suite
     recorded = json.loads(baseline.read_text())
@@ -128,6 +129,7 @@ def test_the_gate_passes_an_unchanged_tree_and_writes_its_summaries(suite, tmp_p
     assert json.loads(baseline.read_text()) == recorded  # --check never writes the baseline
 
 
+@pytest.mark.timing
 def test_the_gate_fails_a_slowdown_that_repeats(suite, monkeypatch, tmp_path):
     import time
 
