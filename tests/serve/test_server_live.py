@@ -150,7 +150,18 @@ def test_a_full_queue_answers_429_with_its_reason(model):
 
 
 def test_a_client_killed_mid_stream_leaves_the_batch(model):
-    app = create_app(model, slowed(TorchBackend(model, mode="eager"), 0.05))
+    # After its first block the row is held until the client is gone: under load a free-running row could
+    # reach its end before the client read its first chunk.
+    backend = TorchBackend(model, mode="eager")
+    client_gone = threading.Event()
+    run = backend.run
+
+    def run_held_after_the_first_block(state, kind, steps):
+        if scheduler.stats.generated_tokens >= 4:
+            client_gone.wait(30)
+        run(state, kind, steps)
+    backend.run = run_held_after_the_first_block
+    app = create_app(model, backend)
     scheduler = app.state.scheduler
     with LiveServer(app) as live:
         body = {"model": model.name, "prompt": "rev:abcdefghij=", "stream": True, "gen_length": 48,
@@ -159,6 +170,7 @@ def test_a_client_killed_mid_stream_leaves_the_batch(model):
             first = next(line for line in response.iter_lines() if line.startswith("data: "))
             assert json.loads(first.removeprefix("data: "))["choices"][0]["finish_reason"] is None
             assert scheduler.running_rows == 1
+        client_gone.set()
         # the connection is closed: the row leaves at its next block boundary, long before its 12 blocks
         deadline = time.monotonic() + 30
         while scheduler.stats.cancelled == 0:
