@@ -7,6 +7,7 @@ for training a new one and for tests. Add a family by adding a row to FAMILIES.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -59,6 +60,29 @@ def family_of(raw: Mapping[str, Any], source: str) -> Family:
     return FAMILIES[model_type]
 
 
+_INITIALIZERS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "kaiming_uniform_",
+                 "kaiming_normal_", "xavier_uniform_", "xavier_normal_")
+
+
+@contextlib.contextmanager
+def _initializers_skipped():
+    """nn.init's fills made no-ops while a tree is built on the meta device, which holds no values to fill.
+    A random fill of a meta tensor runs through torch's Python references, which import torch._dynamo:
+    0.9 s of every command's start, where eager decoding never needs it."""
+    saved = {name: getattr(nn.init, name) for name in _INITIALIZERS}
+    try:
+        for name in _INITIALIZERS:
+            setattr(nn.init, name, _unfilled)
+        yield
+    finally:
+        for name, initializer in saved.items():
+            setattr(nn.init, name, initializer)
+
+
+def _unfilled(tensor, *args, **kwargs):
+    return tensor
+
+
 def build(raw: Mapping[str, Any], source: str, tokens: SpecialTokens | None, *,
           dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
           token_origins: Mapping[str, str] | None = None) -> Denoiser:
@@ -77,7 +101,7 @@ def build(raw: Mapping[str, Any], source: str, tokens: SpecialTokens | None, *,
                       f"sizes (or set {limits.MEMORY_LIMIT_VARIABLE})")
     if residual_config is not None and tokens is None:
         raise CheckpointError(f"{source}: residual_context needs the mask token id (set mask_token_id)")
-    with torch.device("meta"):
+    with torch.device("meta"), _initializers_skipped():
         model = family.model_class(config, residual_config, tokens)
     if tokens is not None:
         origins = token_origins or {}

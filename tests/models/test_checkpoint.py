@@ -101,3 +101,15 @@ def test_failed_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
         checkpoint.save(random_model(LLADA, seed=7), directory)
     assert {p.name: p.read_bytes() for p in directory.iterdir()} == before
     assert [p.name for p in tmp_path.iterdir()] == ["m"]
+
+
+def test_loading_a_model_leaves_the_compiler_unimported_and_the_initializers_as_they_were():
+    """Start-up: a meta-device build skips nn.init's fills, whose meta path imports torch._dynamo (0.9 s)."""
+    import subprocess
+    import sys
+
+    script = ("import sys, torch; from torch import nn; before = nn.init.normal_; import dlmrt; "
+              "dlmrt.load(dlmrt.TINY_MODEL_DIR); assert 'torch._dynamo' not in sys.modules, 'compiler imported'; "
+              "assert nn.init.normal_ is before; layer = nn.Linear(4, 4); assert layer.weight.abs().sum() > 0")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
