@@ -49,7 +49,7 @@ def modes_for(device: torch.device) -> tuple[str, ...]:
 def resolve_mode(mode: str, device: torch.device) -> str:
     """The mode to run: `auto` is cudagraph on CUDA and eager elsewhere; a mode this device cannot run is
     refused. On a CPU a compiled step is faster, but a one-off command pays more for compiling than it
-    saves: measured in docs/device-loop.md. Long runs ask for compile."""
+    saves; the commands, which know their work, pick with `cpu_mode.auto_mode` (docs/device-loop.md)."""
     if mode == "auto":
         return "cudagraph" if device.type == "cuda" else "eager"
     runnable = modes_for(device)

@@ -36,10 +36,12 @@ def resolve_device(backend: str, device: str) -> str:
 
 
 def open_backend(backend: str, model_dir: Path | None, *, dtype: str, mode: str, max_batch: int,
-                 device: str, engines: Path | None, precision: str | None, console, parallel=None):
+                 device: str, engines: Path | None, precision: str | None, console, parallel=None, work=None):
     """(model, backend) for --backend: the model is what text in and out needs (a Denoiser, or an
     export's ExportedModel); the backend is None for the reference loop, which runs the model itself.
-    `parallel`: on a rank of a parallel run, its (ParallelPlan, Ranks): the model is cut into its part."""
+    `parallel`: on a rank of a parallel run, its (ParallelPlan, Ranks): the model is cut into its part.
+    `work(model)`: the command's `cpu_mode.Work`, from which `--mode auto` on a CPU picks eager or compile
+    (without it, auto is TorchBackend's: eager on a CPU)."""
     if backend != "torch" and mode != "auto":
         raise click.UsageError(f"--mode applies to --backend torch; --backend {backend} runs its own way")
     if backend != "trt" and (engines is not None or precision is not None):
@@ -77,6 +79,10 @@ def open_backend(backend: str, model_dir: Path | None, *, dtype: str, mode: str,
     if parallel is not None:
         plan, ranks = parallel
         plan.apply(model, ranks).to(device)
+    if backend == "torch" and mode == "auto" and device == "cpu" and work is not None:
+        from dlmrt.runtime import cpu_mode
+
+        mode = cpu_mode.auto_mode(model, work(model))
     return model, (TorchBackend(model, mode=mode, max_batch=max_batch) if backend == "torch" else None)
 
 

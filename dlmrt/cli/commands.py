@@ -168,8 +168,8 @@ def torch_backend_options(command):
     return click.option(
         "--mode", type=click.Choice(MODE_NAMES), default="auto", show_default=True,
         help="torch backend: eager (op by op), compile (torch.compile of the steps; compiled once per "
-             "shape, cached under $DLMRT_HOME/inductor), cudagraph (CUDA graphs); auto is cudagraph on CUDA, "
-             "eager on a CPU, where a one-off run's compile costs more than it saves.")(command)
+             "shape, cached under $DLMRT_HOME/inductor), cudagraph (CUDA graphs); auto is cudagraph on CUDA, and "
+             "on a CPU compile where the command's work repays compiling, else eager.")(command)
 
 
 def backend_options(command):
@@ -246,18 +246,24 @@ def _generate(model_dir, prompts, id_prompts, ignore_eos, backend, mode, max_bat
     """The body of `dlmrt generate`, on one process or on each rank of `parallel` (a plan and its Ranks)."""
     from rich.console import Console
 
-    from dlmrt.runtime import Generator, reference, text
+    from dlmrt.runtime import Generator, cpu_mode, reference, text
     from dlmrt.runtime.settings import settings_with_defaults
     from dlmrt.runtime.torch_backend import TorchBackend
 
     console = Console(stderr=True)
-    model, backend_impl = open_backend(backend, model_dir, dtype=dtype, mode=mode, max_batch=max_batch,
-                                       device=device, engines=engines, precision=precision, console=console,
-                                       parallel=parallel)
-    settings = settings_with_defaults(model, ignore_eos=ignore_eos, **decoding)
-    for number, prompt in enumerate(prompts, start=1):
-        text.require_utf8(prompt, f"--prompt {number}" if len(prompts) > 1 else "--prompt")
-    batch = [text.encode(model, p) for p in prompts] if prompts else id_prompts
+
+    @functools.cache
+    def settings_and_batch(model):
+        settings = settings_with_defaults(model, ignore_eos=ignore_eos, **decoding)
+        for number, prompt in enumerate(prompts, start=1):
+            text.require_utf8(prompt, f"--prompt {number}" if len(prompts) > 1 else "--prompt")
+        return settings, [text.encode(model, p) for p in prompts] if prompts else id_prompts
+
+    model, backend_impl = open_backend(
+        backend, model_dir, dtype=dtype, mode=mode, max_batch=max_batch, device=device, engines=engines,
+        precision=precision, console=console, parallel=parallel,
+        work=lambda model: cpu_mode.work_of(model, *settings_and_batch(model), max_batch))
+    settings, batch = settings_and_batch(model)
 
     if backend == "reference":
         if stream:
@@ -437,7 +443,8 @@ def print_update(model, update, batch_size, as_json):
                    "an export, or a model directory exported on first use); trt: the TensorRT engines stored for "
                    "this GPU (--model the export they were built from).")
 @click.option("--mode", type=click.Choice(MODE_NAMES), default="auto", show_default=True,
-              help="torch backend: eager, compile, cudagraph; auto is cudagraph on CUDA, eager on a CPU.")
+              help="torch backend: eager, compile, cudagraph; auto is cudagraph on CUDA, and on a CPU compile "
+                   "where the evaluation's work repays compiling, else eager.")
 @backend_options
 @click.option("--batch-size", type=click.IntRange(min=1), default=64, show_default=True,
               help="Examples decoded together.")
@@ -470,17 +477,27 @@ def evaluate(model_dir, data, task_names, per_task, split, data_seed, setting_sp
 
     from rich.console import Console
 
-    from dlmrt.runtime import Fixed, GenerationSettings
+    from dlmrt.runtime import Fixed, GenerationSettings, cpu_mode, text
     from dlmrt.runtime.settings import lengths_with_defaults
+
+    @functools.cache
+    def base_and_grid(model):
+        lengths = lengths_with_defaults(model, gen_length, block_length)
+        base = GenerationSettings(gen_length=lengths[0], block_length=lengths[1], policy=Fixed(),
+                                  temperature=temperature, seed=seed, cache=cache, steps_per_sync=steps_per_sync)
+        base.validate()
+        return base, grid or evaluation.default_grid(*lengths, model.noise)
+
+    def work(model):  # every setting of the grid decodes every example
+        base, settings = base_and_grid(model)
+        prompts = [text.encode(model, example.prompt) for example in examples]
+        return cpu_mode.work_of(model, base, prompts, batch_size, repeats=len(settings))
 
     model, backend_impl = open_backend(backend, model_dir, dtype=dtype, mode=mode, max_batch=batch_size,
                                        device=device, engines=engines, precision=precision,
-                                       console=Console(stderr=True))
-    gen_length, block_length = lengths_with_defaults(model, gen_length, block_length)
-    base = GenerationSettings(gen_length=gen_length, block_length=block_length, policy=Fixed(),
-                              temperature=temperature, seed=seed, cache=cache, steps_per_sync=steps_per_sync)
-    base.validate()
-    grid = grid or evaluation.default_grid(gen_length, block_length, model.noise)
+                                       console=Console(stderr=True), work=work)
+    base, grid = base_and_grid(model)
+    gen_length, block_length = base.gen_length, base.block_length
     results = run_grid(model, backend_impl, examples, base, grid, batch_size)
 
     title = f"{model.name}: {len(examples)} examples, gen-length {gen_length}, block-length {block_length}"
