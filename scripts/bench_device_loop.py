@@ -1,10 +1,12 @@
 """The CPU step loop, side by side in one run: eager, compile and ONNX Runtime, against the GEMM rate.
 
-    python scripts/bench_device_loop.py --repeats 5 --json bench.json [--profile]
+    python scripts/bench_device_loop.py --repeats 5 --json bench.json [--profile] [--work fixed]
 
 A random-weight LLaDA checkpoint (hidden 512, 6 layers, vocab 2048; written to a temporary
-directory and loaded back) decodes one prompt of 32 tokens: gen 128 in blocks of 32, threshold 0.9,
-dual cache, the full length (--ignore-eos). Cases:
+directory and loaded back) decodes one prompt of 32 tokens: gen 128 in blocks of 32, the full length
+(--ignore-eos), with threshold 0.9 and the dual cache (`--work usual`, the default), or with 128 fixed
+steps and no cache (`--work fixed`: a forward over the whole 160-token canvas each step, the work of
+scripts/bench_llamacpp.py). Cases:
 
 - TorchBackend `eager` and `compile`, each with K = 1 and K = a whole block (steps run between two
   host reads), and OrtBackend on the exported graphs;
@@ -43,7 +45,7 @@ from dlmrt.core import atomic
 from dlmrt.bench.benchmark import Case, environment, measure
 from dlmrt.export import checkpoint, models
 from dlmrt.export.models import SpecialTokens
-from dlmrt.runtime import GenerationSettings, Generator, Threshold
+from dlmrt.runtime import Fixed, GenerationSettings, Generator, Threshold
 
 CONFIG = {
     "architectures": ["LLaDAModelLM"], "model_type": "llada", "d_model": 512, "n_heads": 8, "n_layers": 6,
@@ -52,6 +54,10 @@ CONFIG = {
     "weight_tying": False,
 }
 TOKENS = SpecialTokens(mask_id=2047, eos_ids=(2046,), pad_id=2046)
+WORK = {"usual": ("threshold 0.9, dual cache", GenerationSettings(128, 32, Threshold(0.9), cache="dual",
+                                                                  ignore_eos=True)),
+        "fixed": ("fixed 128 steps, no cache", GenerationSettings(128, 32, Fixed(steps=128), cache="none",
+                                                                  ignore_eos=True))}
 
 
 def random_checkpoint(directory: Path):
@@ -105,9 +111,8 @@ def profile_compiled(generator, prompts, settings, console) -> None:
     console.print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
 
 
-def results_table(rows: list[dict], gemm: dict, same_tokens: dict[str, bool]) -> Table:
-    table = Table(title="random LLaDA 512 x 6 layers, vocab 2048: prompt 32, gen 128, block 32, threshold 0.9, "
-                        "dual cache")
+def results_table(rows: list[dict], gemm: dict, same_tokens: dict[str, bool], work: str) -> Table:
+    table = Table(title=f"random LLaDA 512 x 6 layers, vocab 2048: prompt 32, gen 128, block 32, {work}")
     blas, onednn = (gemm[name]["seconds"] for name in gemm)
     for column in ("case", "tokens/s (median, range)", "vs eager", "NFE", "forwards run", "host per step",
                    "compile", "GEMM share: BLAS", "GEMM share: oneDNN", "same tokens"):
@@ -136,6 +141,8 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch and ONNX Runtime threads [default: torch's]")
     parser.add_argument("--profile", action="store_true", help="also print a profile by op of the compiled loop")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--work", choices=tuple(WORK), default="usual",
+                        help="usual: threshold 0.9, dual cache; fixed: 128 steps, no cache")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -146,7 +153,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as scratch, Progress(console=console, transient=True) as progress:
         model = random_checkpoint(Path(scratch) / "model")
         prompt = torch.randint(0, 2000, (32,), generator=torch.Generator().manual_seed(0)).tolist()
-        settings = GenerationSettings(128, 32, Threshold(0.9), cache="dual", ignore_eos=True)
+        work, settings = WORK[args.work]
         started = time.perf_counter()
         export_dir = export(model, Path(scratch) / "onnx", max_length=256)
         export_s = time.perf_counter() - started
@@ -175,14 +182,14 @@ def main() -> int:
         gemm = gemm_replay(calls, args.repeats)
         reference = tokens["eager, K=1"]
         same_tokens = {label: torch.equal(found, reference) for label, found in tokens.items()}
-        console.print(results_table(rows, gemm, same_tokens))
+        console.print(results_table(rows, gemm, same_tokens, work))
         console.print(gemm_table(gemm))
         console.print(f"export to ONNX: {export_s:.1f} s; environment: {environment()}")
         if args.profile:
             profile_compiled(generators["compile, K=1"][0], [prompt], settings, console)
     if args.json:
-        document = {"environment": environment(), "cases": rows, "gemm": gemm, "same_tokens": same_tokens,
-                    "export_s": export_s}
+        document = {"environment": environment(), "work": work, "cases": rows, "gemm": gemm,
+                    "same_tokens": same_tokens, "export_s": export_s}
         atomic.write_text(args.json, json.dumps(document, indent=2))
     return 0 if all(same_tokens.values()) else 1
 

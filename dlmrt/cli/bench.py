@@ -281,7 +281,8 @@ def run_scenario(scenario: Scenario, console, wide: bool, gated: bool = False) -
     if threads is not None:
         torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory() as scratch, Progress(console=console, transient=True) as progress:
-        cases, tokens = make_cases(model, backends, prompts, settings, Path(scratch), console, threads)
+        cases, tokens = make_cases(model, backends, prompts, settings, Path(scratch), console, threads,
+                                   runs=scenario.num_iters + scenario.num_iters_warmup)
         timed = timed_rounds(cases, scenario.num_iters, scenario.num_iters_warmup, progress, canary=gated)
         rows = [summarize(case.label, timed.results[case.label], timed.seconds[case.label], timed.warmups[case.label])
                 for case in cases]
@@ -328,15 +329,24 @@ def default_cache(model) -> str:
     return "none" if model.noise == "uniform" else "dual"
 
 
-def make_cases(model, backends, prompts, settings, scratch: Path, console, ort_threads: int | None = None):
-    """One benchmark Case per backend; `tokens` fills with each case's token digest as it runs. The
-    reference case is LLaDA's plain loop (fixed policy, one token a step, no cache) on the same prompts.
-    ONNX Runtime runs `ort_threads` intra-op threads (None: its default)."""
+def make_cases(model, backends, prompts, settings, scratch: Path, console, ort_threads: int | None = None,
+               outputs: dict | None = None, runs: int = 1):
+    """One benchmark Case per backend; `tokens` fills with each case's token digest as it runs, and
+    `outputs` (when given) with its generated tokens. The reference case is LLaDA's plain loop (fixed
+    policy, one token a step, no cache) on the same prompts. ONNX Runtime runs `ort_threads` intra-op
+    threads (None: its default). torch:auto on a CPU runs what `dlmrt generate` would for the case's
+    `runs` runs (`cpu_mode`), and says which."""
     from dlmrt.bench.benchmark import Case
     from dlmrt.runtime import Fixed, Generator, reference
     from dlmrt.runtime.torch_backend import TorchBackend
 
     tokens: dict[str, str] = {}
+
+    def keep(label: str, generated) -> None:
+        tokens[label] = token_hash(generated)
+        if outputs is not None:
+            outputs[label] = generated
+
     cases = []
     for name, mode in backends:
         label = f"{name}:{mode}" if mode else name
@@ -345,11 +355,16 @@ def make_cases(model, backends, prompts, settings, scratch: Path, console, ort_t
 
             def run(label=label, plain=plain):
                 result = reference.generate(model, prompts, plain)
-                tokens[label] = token_hash(result.tokens)
+                keep(label, result.tokens)
                 return result.metrics
             cases.append(Case(label, run))
             continue
         if name == "torch":
+            if mode == "auto" and model.device.type == "cpu":
+                from dlmrt.runtime import cpu_mode
+
+                mode = cpu_mode.auto_mode(model, cpu_mode.work_of(model, settings, prompts, len(prompts), runs))
+                console.print(f"{label} runs {mode} on this CPU for this work")
             generator = Generator(TorchBackend(model, mode=mode, max_batch=len(prompts)))
         else:
             from dlmrt.cli.errors import require_onnx_extra
@@ -375,7 +390,7 @@ def make_cases(model, backends, prompts, settings, scratch: Path, console, ort_t
 
         def run(label=label, generator=generator):
             result = generator.generate(prompts, settings)
-            tokens[label] = token_hash(result.tokens)
+            keep(label, result.tokens)
             return result.metrics
         cases.append(Case(label, run))
     return cases, tokens
