@@ -230,6 +230,18 @@ def generate(model_dir, prompts, prompt_ids, ignore_eos, backend, mode, max_batc
     return None
 
 
+def once(function):
+    """`function(model)` computed at its first call and returned again after: a command's settings, which
+    `open_backend` may need first (for `--mode auto`'s work), and which warn only once."""
+    results = []
+
+    def first_result(model):
+        if not results:
+            results.append(function(model))
+        return results[0]
+    return first_result
+
+
 def _generate_on_rank(ranks, plan, run):
     """`dlmrt generate` on one rank: rank 0 alone prints, streams, reports and warns (in one line, as the
     command does)."""
@@ -252,7 +264,7 @@ def _generate(model_dir, prompts, id_prompts, ignore_eos, backend, mode, max_bat
 
     console = Console(stderr=True)
 
-    @functools.cache
+    @once
     def settings_and_batch(model):
         settings = settings_with_defaults(model, ignore_eos=ignore_eos, **decoding)
         for number, prompt in enumerate(prompts, start=1):
@@ -480,7 +492,7 @@ def evaluate(model_dir, data, task_names, per_task, split, data_seed, setting_sp
     from dlmrt.runtime import Fixed, GenerationSettings, cpu_mode, text
     from dlmrt.runtime.settings import lengths_with_defaults
 
-    @functools.cache
+    @once
     def base_and_grid(model):
         lengths = lengths_with_defaults(model, gen_length, block_length)
         base = GenerationSettings(gen_length=lengths[0], block_length=lengths[1], policy=Fixed(),
