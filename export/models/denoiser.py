@@ -180,13 +180,6 @@ class Denoiser(nn.Module, ABC):
         if self.residual_config is not None:
             x = residual_context.mix(x, input_ids == self.tokens.mask_id, residual,
                                      self.residual_adapter())
-        window_kv = []
-        for index, block in enumerate(self.blocks()):
-            layer_past = None if past is None else (past.kv[index, 0], past.kv[index, 1])
-            x, kv = block(x, cos, sin, mask, layer_past)
-            if return_kv:
-                window_kv.append(torch.stack(kv))
-        kv = torch.stack(window_kv) if return_kv else None
 
         def wanted(t: Tensor) -> Tensor:
             if logits_index is not None:
@@ -194,8 +187,21 @@ class Denoiser(nn.Module, ABC):
             start, end = logits_range or (0, length)
             return t[:, start:end]
 
+        # Only the wanted positions' hidden states leave the last layer, so its MLP runs on them alone
+        # (its attention still reads every position's keys). An ORL model's next residual needs them all.
+        pruned = self.residual_config is None and (logits_index is not None or logits_range is not None)
+        blocks = self.blocks()
+        window_kv = []
+        for index, block in enumerate(blocks):
+            layer_past = None if past is None else (past.kv[index, 0], past.kv[index, 1])
+            last = pruned and index == len(blocks) - 1
+            x, kv = block(x, cos, sin, mask, layer_past, keep=wanted if last else None)
+            if return_kv:
+                window_kv.append(torch.stack(kv))
+        kv = torch.stack(window_kv) if return_kv else None
+
         if self.residual_config is None:
-            return DenoiserOutput(self.head(wanted(x)), kv, None)
+            return DenoiserOutput(self.head(x if pruned else wanted(x)), kv, None)
         logits = self.head(x)
         if self.vocab_shard is not None:
             next_residual = self.vocab_shard.residual(logits, self.input_embedding().weight)

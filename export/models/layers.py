@@ -7,6 +7,8 @@ Norms, rotary embeddings and softmax run in float32 whatever the weights' dtype.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -44,11 +46,14 @@ class PreNormLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden, eps)
         self.mlp = mlp
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor,
-                past: tuple[Tensor, Tensor] | None) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, past: tuple[Tensor, Tensor] | None,
+                keep: Callable[[Tensor], Tensor] | None = None) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        """`keep` selects the positions whose hidden states the layer returns (after attention, before the MLP)."""
         attention = getattr(self, self.attention_name)
         attended, kv = attention(self.input_layernorm(x), cos, sin, mask, past)
         x = x + attended
+        if keep is not None:
+            x = keep(x)
         return x + self.mlp(self.post_attention_layernorm(x)), kv
 
 

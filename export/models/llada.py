@@ -8,7 +8,7 @@ directory loads unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch.nn.functional as F
@@ -106,8 +106,9 @@ class LLaDABlock(nn.Module):
         self.up_proj = nn.Linear(c.d_model, c.mlp_width, bias=False)
         self.ff_out = nn.Linear(c.mlp_width, c.d_model, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor,
-                past: tuple[Tensor, Tensor] | None) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, past: tuple[Tensor, Tensor] | None,
+                keep: Callable[[Tensor], Tensor] | None = None) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        """`keep` selects the positions whose hidden states the layer returns (after attention, before the MLP)."""
         batch, length, _ = x.shape
         h = self.attn_norm(x)
         q = self.q_proj(h).view(batch, length, self.heads, self.head_dim).transpose(1, 2)
@@ -116,6 +117,8 @@ class LLaDABlock(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         keys, values = with_past(k, v, past)
         x = x + self.attn_out(attend(q, keys, values, mask))
+        if keep is not None:
+            x = keep(x)
         h = self.ff_norm(x)
         x = x + self.ff_out(F.silu(self.ff_proj(h)) * self.up_proj(h))
         return x, (k, v)
