@@ -112,8 +112,8 @@ def test_a_matmul_more_in_the_forward_shows_in_flops_and_aten_ops(tiny, prompts,
     before = counted(kind, tiny, prompts)
     forward = LLaDABlock.forward
 
-    def one_more(self, x, *args):
-        x, kv = forward(self, x, *args)
+    def one_more(self, x, *args, **kwargs):
+        x, kv = forward(self, x, *args, **kwargs)
         return x + 0 * (x @ self.attn_out.weight.T), kv
     monkeypatch.setattr(LLaDABlock, "forward", one_more)
     after = counted(kind, tiny, prompts)
