@@ -140,15 +140,12 @@ def train_tokenizer(vocab_size: int):
 
 def write_checkpoint(directory: Path) -> Path:
     """The benchmark's random LLaDA as a Hugging Face directory both tools read."""
-    from dlmrt.bench.models import RANDOM_CONFIGS
-    from dlmrt.export import checkpoint, models
-    from dlmrt.export.models import SpecialTokens
+    from dlmrt.bench.models import random_model
+    from dlmrt.export import checkpoint
 
-    config = {**RANDOM_CONFIGS[BASE_MODEL], "rms_norm_eps": LLADA_RMS_NORM_EPS}
-    vocab = config["vocab_size"]
-    model = models.create(config, tokens=SpecialTokens(mask_id=vocab - 1, eos_ids=(vocab - 2,), pad_id=vocab - 2),
-                          seed=0)
-    model.tokenizer = train_tokenizer(vocab)
+    model = random_model(BASE_MODEL)
+    model.raw_config["rms_norm_eps"] = LLADA_RMS_NORM_EPS
+    model.tokenizer = train_tokenizer(model.vocab_size)
     model.tokenizer_config = json.dumps({"bos_token": EOS_TOKEN, "eos_token": EOS_TOKEN, "pad_token": EOS_TOKEN,
                                          "mask_token": MASK_TOKEN, "chat_template": PLAIN_CHAT_TEMPLATE,
                                          "tokenizer_class": "PreTrainedTokenizerFast"}).encode()
