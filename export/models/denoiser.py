@@ -181,14 +181,15 @@ class Denoiser(nn.Module, ABC):
             x = residual_context.mix(x, input_ids == self.tokens.mask_id, residual,
                                      self.residual_adapter())
 
-        def wanted(t: Tensor) -> Tensor:
+        def wanted(t: Tensor, dim: int = 1) -> Tensor:
             if logits_index is not None:
-                return t.index_select(1, logits_index)
+                return t.index_select(dim, logits_index)
             start, end = logits_range or (0, length)
-            return t[:, start:end]
+            return t.narrow(dim, start, end - start)
 
-        # Only the wanted positions' hidden states leave the last layer, so its MLP runs on them alone
-        # (its attention still reads every position's keys). An ORL model's next residual needs them all.
+        # Only the wanted positions' hidden states leave the last layer, so its MLP (and LLaDA's queries)
+        # run on them alone; its keys and values cover every position. An ORL model's next residual
+        # needs them all.
         pruned = self.residual_config is None and (logits_index is not None or logits_range is not None)
         blocks = self.blocks()
         window_kv = []

@@ -103,6 +103,12 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat((rotated.to(x.dtype), x[..., rotary_dim:]), dim=-1)
 
 
+def query_rows(table: Tensor, keep: Callable[..., Tensor]) -> Tensor:
+    """`keep` (a selector of positions along a given axis) applied to the query axis of a `[B, 1, T, ...]`
+    table: the rotary tables, the attention mask. A table broadcast over the queries (T = 1) stays as it is."""
+    return table if table.shape[2] == 1 else keep(table, 2)
+
+
 def attention_mask(query_positions: Tensor, key_positions: Tensor, key_mask: Tensor,
                    block_length: int | None) -> Tensor:
     """Boolean `[B, 1, T, S]` (True = may attend).

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from dlmrt.core import limits
 from dlmrt.export.models import config as config_parsing
 from dlmrt.export.models.denoiser import Denoiser, SpecialTokens
-from dlmrt.export.models.layers import RMSNorm, apply_rotary, attend, output_logits, with_past
+from dlmrt.export.models.layers import RMSNorm, apply_rotary, attend, output_logits, query_rows, with_past
 from dlmrt.export.models.residual import ResidualConfig, build_adapter
 
 
@@ -107,18 +107,21 @@ class LLaDABlock(nn.Module):
         self.ff_out = nn.Linear(c.mlp_width, c.d_model, bias=False)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, past: tuple[Tensor, Tensor] | None,
-                keep: Callable[[Tensor], Tensor] | None = None) -> tuple[Tensor, tuple[Tensor, Tensor]]:
-        """`keep` selects the positions whose hidden states the layer returns (after attention, before the MLP)."""
+                keep: Callable[..., Tensor] | None = None) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        """`keep(t, dim=1)` selects the positions whose hidden states the layer returns: only their queries
+        are computed (every position's keys and values still are)."""
         batch, length, _ = x.shape
         h = self.attn_norm(x)
-        q = self.q_proj(h).view(batch, length, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(h).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(h).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        if keep is not None:
+            x, h = keep(x), keep(h)
+            cos, sin, mask = (query_rows(table, keep) for table in (cos, sin, mask))
+        q = self.q_proj(h).view(batch, h.shape[1], self.heads, self.head_dim).transpose(1, 2)
+        q = apply_rotary(q, cos, sin)
         keys, values = with_past(k, v, past)
         x = x + self.attn_out(attend(q, keys, values, mask))
-        if keep is not None:
-            x = keep(x)
         h = self.ff_norm(x)
         x = x + self.ff_out(F.silu(self.ff_proj(h)) * self.up_proj(h))
         return x, (k, v)

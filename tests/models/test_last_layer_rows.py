@@ -53,3 +53,37 @@ def test_an_orl_model_keeps_every_position_for_its_next_residual():
     with torch.no_grad():
         rows = rows_into_the_last_mlp(model, lambda: model.denoise(ids, logits_range=(4, 8)))
     assert rows == 12
+
+
+def test_llada_projects_only_the_wanted_queries_and_its_logits_match_over_padding_and_a_cached_prefix():
+    from dlmrt.export.models import PastKV
+
+    model = models.create(LLADA, tokens=TASK_TOKENS, seed=2).eval()
+    ids = torch.randint(0, model.vocab_size - 8, (2, 16), generator=torch.Generator().manual_seed(3))
+    key_mask = torch.ones(2, 16, dtype=torch.bool)
+    key_mask[1, :5] = False  # the second row is left-padded
+    positions = (key_mask.cumsum(1) - 1).clamp(min=0)
+    seen = []
+    hook = model.blocks()[-1].q_proj.register_forward_pre_hook(lambda module, args: seen.append(args[0].shape[1]))
+    with torch.no_grad():
+        whole = model.denoise(ids, positions=positions, key_mask=key_mask, return_kv=True)
+        ranged = model.denoise(ids, positions=positions, key_mask=key_mask, logits_range=(10, 14)).logits
+        past = PastKV(whole.kv[..., :8, :], positions[:, :8])
+        window = model.denoise(ids[:, 8:], positions=positions[:, 8:], key_mask=key_mask, past=past,
+                               logits_index=torch.tensor([1, 6])).logits
+    hook.remove()
+    assert seen == [16, 4, 2]
+    torch.testing.assert_close(ranged, whole.logits[:, 10:14], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(window, whole.logits[:, [9, 14]], rtol=1e-5, atol=1e-5)
+
+
+def test_query_rows_selects_the_query_axis_and_leaves_a_broadcast_table():
+    from dlmrt.export.models.layers import query_rows
+
+    table = torch.arange(2 * 1 * 5 * 3).view(2, 1, 5, 3)
+    broadcast = torch.ones(2, 1, 1, 3)
+    def keep(t, dim=1):
+        return t.narrow(dim, 1, 2)
+
+    assert torch.equal(query_rows(table, keep), table[:, :, 1:3])
+    assert query_rows(broadcast, keep) is broadcast
