@@ -125,6 +125,13 @@ def attention_mask(query_positions: Tensor, key_positions: Tensor, key_mask: Ten
     return allowed[:, None]
 
 
+# Up to this many attention scores a layer (batch x heads x queries x keys: 4 MiB of float32), float32
+# attention compiled for a CPU runs as two batched matmuls around one fused softmax. At short lengths
+# that is faster than SDPA's CPU flash kernel, whose many small tiles cost more than the scores' memory
+# (docs/cpu.md). Eager keeps SDPA: there the dozen ops in its place would each cost a dispatch.
+CPU_MATMUL_ATTENTION_MAX_SCORES = 1 << 20
+
+
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     """Scaled dot-product attention with grouped K/V heads; returns `[B, T, Hq * D]`."""
     batch, q_heads, length, head_dim = q.shape
@@ -133,8 +140,26 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
         group = q_heads // kv_heads
         k = k[:, :, None].expand(-1, -1, group, -1, -1).reshape(batch, q_heads, -1, head_dim)
         v = v[:, :, None].expand(-1, -1, group, -1, -1).reshape(batch, q_heads, -1, head_dim)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    compiled_small_on_cpu = (q.device.type == "cpu" and q.dtype == torch.float32
+                             and torch.compiler.is_compiling() and not torch.compiler.is_exporting()
+                             and batch * q_heads * length * k.shape[2] <= CPU_MATMUL_ATTENTION_MAX_SCORES)
+    if compiled_small_on_cpu:
+        out = attend_by_matmul(q, k, v, mask)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     return out.transpose(1, 2).reshape(batch, length, q_heads * head_dim)
+
+
+def attend_by_matmul(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """SDPA's result, as `softmax(q k^T / sqrt(D) + bias) v`; a query that may attend to no key gets
+    zeros, as from SDPA."""
+    batch, heads, length, head_dim = q.shape
+    keys = k.shape[2]
+    bias = torch.where(mask, 0.0, float("-inf")).to(q.dtype).expand(batch, heads, length, keys)
+    scores = torch.baddbmm(bias.reshape(batch * heads, length, keys), q.reshape(batch * heads, length, head_dim),
+                           k.reshape(batch * heads, keys, head_dim).transpose(1, 2), alpha=head_dim ** -0.5)
+    probs = scores.softmax(-1).view(batch, heads, length, keys).masked_fill(~mask.any(-1, keepdim=True), 0.0)
+    return torch.matmul(probs, v)
 
 
 def with_past(k: Tensor, v: Tensor, past: tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor]:
