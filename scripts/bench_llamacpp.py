@@ -14,7 +14,7 @@ The work, the same on both sides:
 - one random LLaDA checkpoint (`llada-512x6`'s config and seeded weights), written as a Hugging Face
   directory with a byte-level BPE tokenizer trained here on seeded words (2046 ids, then <|endoftext|>
   and <|mdm_mask|>, the ids the random model uses for EOS and mask). llama.cpp's converter turns it into
-  F32, F16 and Q8_0 GGUF files; dlmrt loads the directory itself.
+  F32, F16, BF16 and Q8_0 GGUF files; dlmrt loads the directory itself, in float32 and in bfloat16.
 - one 32-token prompt (BOS, which llama.cpp's LLaDA adds, and 31 tokens of text); 128 tokens in blocks
   of 32, 128 steps (one token a step), greedy, end-of-sequence ignored, no cache;
 - 2 threads each (--threads); every case once a round, in an order shuffled per round, after one
@@ -53,9 +53,10 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-GGUF_TYPES = ("f32", "f16", "q8_0")
+GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
 PROMPT_TOKENS, GEN_LENGTH, BLOCK_LENGTH, STEPS = 32, 128, 32, 128
 SAME_WORK = ", fixed, no cache"
+HALF_SUFFIX = f", bfloat16{SAME_WORK}"
 LLAMA_F32, DLMRT_F32 = "llama.cpp F32", f"dlmrt torch:eager{SAME_WORK}"
 BASE_MODEL = "llada-512x6"
 LLADA_RMS_NORM_EPS = 1e-5  # LLaDA's; the GGUF needs it written out, dlmrt's default is the same
@@ -202,7 +203,10 @@ def llama_case(label: str, command: list[str], texts: dict):
         done = subprocess.run(command, capture_output=True, text=True, errors="replace")
         if done.returncode != 0:
             raise RuntimeError(f"{label} failed ({' '.join(command)}):\n{done.stderr[-2000:]}")
-        seconds, forwards, texts[label] = parse_cli_log(done.stderr + done.stdout)
+        try:
+            seconds, forwards, texts[label] = parse_cli_log(done.stderr + done.stdout)
+        except RuntimeError as error:
+            raise RuntimeError(f"{label} ({' '.join(command)}): {error}") from None
         return GenerationMetrics(nfe=forwards, sequence_forwards=forwards, generated_tokens=GEN_LENGTH,
                                  prompt_tokens=PROMPT_TOKENS, batch_size=1, latency_s=seconds,
                                  forwards_executed=forwards)
@@ -210,23 +214,27 @@ def llama_case(label: str, command: list[str], texts: dict):
 
 
 # -- dlmrt's cases ------------------------------------------------------------------------------------------
-def dlmrt_cases(model, prompt_ids: list[int], scratch: Path, texts: dict, threads: int, runs: int, console):
+def dlmrt_cases(model, half, prompt_ids: list[int], scratch: Path, texts: dict, threads: int, runs: int,
+                console):
     """dlmrt's rows: each CPU backend at the same work (fixed, 128 steps, no cache), torch:auto being
-    what `dlmrt generate` runs by default for `runs` such generations; and compile at its usual settings
-    (threshold 0.9, dual cache)."""
+    what `dlmrt generate` runs by default for `runs` such generations; the same checkpoint loaded in
+    bfloat16 (`half`: what `dlmrt generate` runs for a checkpoint saved in bfloat16, as LLaDA's are), the
+    counterpart of llama.cpp's F16 and BF16; and compile at its usual settings (threshold 0.9, dual
+    cache)."""
     from dlmrt.bench.benchmark import Case
     from dlmrt.cli.bench import make_cases
     from dlmrt.runtime import Fixed, GenerationSettings, Threshold, text
 
     same_work = GenerationSettings(GEN_LENGTH, BLOCK_LENGTH, Fixed(steps=STEPS), cache="none", ignore_eos=True)
     usual = GenerationSettings(GEN_LENGTH, BLOCK_LENGTH, Threshold(0.9), cache="dual", ignore_eos=True)
-    groups = [(same_work, [("torch", "eager"), ("torch", "auto"), ("torch", "compile"), ("ort", None),
-                           ("ort", "int8"), ("ort", "int8-dynamic"), ("ort", "int4")], SAME_WORK),
-              (usual, [("torch", "compile")], ", threshold 0.9 + dual cache")]
+    groups = [(model, same_work, [("torch", "eager"), ("torch", "auto"), ("torch", "compile"), ("ort", None),
+                                  ("ort", "int8"), ("ort", "int8-dynamic"), ("ort", "int4")], SAME_WORK),
+              (half, same_work, [("torch", "auto")], HALF_SUFFIX),
+              (model, usual, [("torch", "compile")], ", threshold 0.9 + dual cache")]
     cases = []
-    for number, (settings, backends, suffix) in enumerate(groups):
+    for number, (loaded, settings, backends, suffix) in enumerate(groups):
         outputs: dict = {}
-        made, _ = make_cases(model, backends, [prompt_ids], settings, scratch / str(number), console, threads,
+        made, _ = make_cases(loaded, backends, [prompt_ids], settings, scratch / str(number), console, threads,
                              outputs, runs)
         for case in made:
             label = f"dlmrt {case.label}{suffix}"
@@ -313,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
         texts: dict[str, str] = {}
         cases = [llama_case(f"llama.cpp {kind.upper()}", cli_command(cli, gguf, prompt, args.threads), texts)
                  for kind, gguf in ggufs.items()]
-        cases += dlmrt_cases(model, prompt_ids, Path(scratch) / "dlmrt", texts, args.threads, args.rounds + 1,
+        half = dlmrt.load(checkpoint_dir, dtype="bfloat16")
+        cases += dlmrt_cases(model, half, prompt_ids, Path(scratch) / "dlmrt", texts, args.threads, args.rounds + 1,
                              console)
         with Progress(console=console, transient=True) as progress:
             task = progress.add_task("benchmarking", total=len(cases) * (args.rounds + 1))

@@ -1,4 +1,4 @@
-"""Accuracy of the quantized step graphs against fp32, in one run: fp32, FP8, NVFP4, int8 and int4.
+"""Accuracy of the quantized step graphs against fp32, in one run: fp32, bf16, FP8, NVFP4, int8 and int4.
 
     python scripts/quant_accuracy.py --json quant_accuracy.json      # about 2.5 minutes on 2 cores
 
@@ -7,6 +7,7 @@ config (hidden 512, 6 layers by default, the tiny tokenizer's vocabulary) on the
 is decoded by the Generator, with the same settings, as
 
 - fp32 (torch)    the torch model (TorchBackend): the reference every other row is compared with;
+- bf16 (torch)    the same model cast to bfloat16 (what a bfloat16 checkpoint runs on a CPU by default);
 - fp32 (ORT)      the exported fp32 step graphs in ONNX Runtime (should agree 100%);
 - FP8 (ORT)       the export quantized by nvidia-modelopt's ONNX PTQ (dlmrt.engines.quant.fp8),
                   run by ONNX Runtime's CPU provider;
@@ -27,6 +28,7 @@ NVFP4 are calibrated on step-loop inputs from train-split prompts (dlmrt.engines
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import platform
@@ -174,6 +176,7 @@ def build_variants(target: Target, scratch: Path, args, progress: Progress) -> t
     facts["nvfp4_s"] = round(time.perf_counter() - started, 1)
     progress.advance(step)
     generators = {"fp32 (torch)": Generator(target.model, mode="eager"),
+                  "bf16 (torch)": Generator(copy.deepcopy(target.model).to(torch.bfloat16), mode="eager"),
                   "fp32 (ORT)": Generator(OrtBackend(export_dir)),
                   "FP8 (ORT)": Generator(OrtBackend(fp8_dir)), "NVFP4 (torch)": Generator(simulated, mode="eager")}
     for label, precision, block_size, symmetric in CPU_INT_VARIANTS:
