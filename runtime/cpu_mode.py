@@ -1,10 +1,11 @@
 """What `--mode auto` runs on a CPU: `compile` where the work saves more time than compiling costs,
 else `eager`.
 
-A compiled step runs the model's matmuls on prepacked oneDNN weights, about 2.3x faster than eager's
-(llada-512x6, 2 cores: 18 ms a forward against 42 ms). But each process pays about 5 s before its first
-compiled step even when inductor's cache under $DLMRT_HOME holds the kernels (importing the compiler,
-tracing the step, loading its kernels), and some 10-20 s more the first time a shape is compiled at all.
+Both modes run the model's larger matmuls on prepacked oneDNN weights; a compiled step also fuses the
+elementwise ops between them and drops eager's per-op dispatch, about 1.2x faster (llada-512x6, 2 cores:
+18.7 ms a forward against 22.3 ms). But each process pays about 5 s before its first compiled step even
+when inductor's cache under $DLMRT_HOME holds the kernels (importing the compiler, tracing the step,
+loading its kernels), and some 10-20 s more the first time a shape is compiled at all.
 A one-off command on a small model is over before that is repaid; many prompts, long outputs or a big
 model repay it many times.
 
@@ -27,8 +28,8 @@ from dlmrt.export.models import Denoiser
 from dlmrt.runtime.layout import canvas_length
 from dlmrt.runtime.settings import GenerationSettings
 
-EAGER_FLOP_RATE = 150e9  # float32 matmul FLOP/s of an eager step (torch's BLAS, and its overheads)
-COMPILED_FLOP_RATE = 350e9  # the same compiled: prepacked oneDNN weights, fused elementwise ops
+EAGER_FLOP_RATE = 290e9  # float32 matmul FLOP/s of an eager step (oneDNN, and eager's overheads)
+COMPILED_FLOP_RATE = 350e9  # the same compiled: fused elementwise ops, no per-op dispatch
 WARM_COMPILE_SECONDS = 5.0  # what a new process pays to compile, its kernels found in inductor's cache
 
 

@@ -1,4 +1,7 @@
-"""Linear layers on oneDNN with prepacked weights: the CPU fast path's matmuls.
+"""Linear layers on oneDNN with prepacked weights: the CPU path's matmuls, eager and compiled.
+
+    packed = PackedModel(model)   # a copy sharing model's tensors, its larger linears packed for oneDNN
+    packed.refresh()              # re-pack what changed in `model` since
 
 Design notes: docs/runtime-modules.md#onednn.
 """
@@ -12,10 +15,19 @@ from torch import Tensor, nn
 
 from dlmrt.export.models import Denoiser
 
+# Below this many weights a linear layer runs faster on torch's default BLAS: a oneDNN call costs about
+# 10 us more before any arithmetic (docs/runtime-modules.md#onednn has the crossover).
+MIN_PACKED_WEIGHTS = 1 << 16
+
 
 def available(model: Denoiser) -> bool:
     """Whether this torch can run the model's linear layers on oneDNN (float32 on a CPU)."""
     return model.device.type == "cpu" and model.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
+def worth_packing(module: nn.Module) -> bool:
+    """A plain `nn.Linear` (not a subclass, whose forward may do more) with enough weights."""
+    return type(module) is nn.Linear and module.weight.numel() >= MIN_PACKED_WEIGHTS
 
 
 _LIBRARY = torch.library.Library("dlmrt", "FRAGMENT")
@@ -41,21 +53,62 @@ class PackedLinear(nn.Module):
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.out_features = linear.out_features
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())
-        self.bias = linear.bias
+        self.register_parameter("bias", linear.bias)
+        self.pack(linear.weight)
+
+    def pack(self, weight: Tensor) -> None:
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+        self._packed_from = (weight, _version(weight))  # a tuple: a Parameter attribute would register
+
+    def stale(self, weight: Tensor) -> bool:
+        packed_from, version = self._packed_from
+        return weight is not packed_from or _version(weight) != version
 
     def forward(self, x: Tensor) -> Tensor:
         return torch.ops.dlmrt.onednn_linear(x, self.packed_weight, self.bias, self.out_features)
 
 
-def prepack_linears(model: Denoiser) -> Denoiser:
-    """A copy of `model` sharing its tensors, with every linear layer on oneDNN (see the module doc)."""
+def _version(tensor: Tensor) -> int | None:
+    return None if tensor.is_inference() else tensor._version  # an inference tensor cannot change in place
+
+
+class PackedModel:
+    """A copy of a denoiser's module tree that shares its tensors and every other object its modules hold
+    (a tokenizer, a tensor-parallel group), except that each linear layer worth packing becomes a
+    `PackedLinear` (the one extra copy of those weights this costs)."""
+
+    def __init__(self, model: Denoiser):
+        self.model = copy.deepcopy(model, memo=_shared_objects(model))
+        self._slots: list[tuple[nn.Module, str, nn.Module]] = []  # (model's module, tensor name, the copy's)
+        for name, module in model.named_modules():
+            twin = self.model.get_submodule(name)
+            for child_name, child in module.named_children():
+                if worth_packing(child):
+                    setattr(twin, child_name, PackedLinear(child))
+            self._slots += [(module, leaf, twin) for leaf in (*module._parameters, *module._buffers)]
+
+    def refresh(self) -> bool:
+        """Bring the copy up to date with the model: re-pack a weight written in place or replaced, and
+        take any other tensor the model was given since. True if anything changed."""
+        changed = False
+        for module, leaf, twin in self._slots:
+            tensor = getattr(module, leaf)
+            if isinstance(twin, PackedLinear) and leaf == "weight":
+                if twin.stale(tensor):
+                    twin.pack(tensor)
+                    changed = True
+            elif getattr(twin, leaf) is not tensor:
+                (twin._parameters if leaf in twin._parameters else twin._buffers)[leaf] = tensor
+                changed = True
+        return changed
+
+
+def _shared_objects(model: Denoiser) -> dict[int, object]:
+    """A deepcopy memo that copies only modules and the containers holding them: the tensors and any
+    other attribute of a module stay the model's own."""
     shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
-    if model.tokenizer is not None:
-        shared[id(model.tokenizer)] = model.tokenizer
-    packed = copy.deepcopy(model, memo=shared)
-    for module in list(packed.modules()):
-        for name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(module, name, PackedLinear(child))
-    return packed
+    for module in model.modules():
+        for value in vars(module).values():
+            if not isinstance(value, (nn.Module, list, tuple, dict)):
+                shared[id(value)] = value
+    return shared

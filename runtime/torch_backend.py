@@ -102,15 +102,20 @@ class TorchBackend(Backend):
         check_unmask(unmask)
         self.unmask = unmask  # the unmasking step's kernels: "torch" (its reference) or "triton"
         self._graphs: dict[tuple, _TorchGraph] = {}
-        self._packed: Denoiser | None = None  # the model with oneDNN-prepacked linears, for compile
+        self._packed: onednn.PackedModel | None = None  # the model with its linears on oneDNN, on a CPU
 
     def _step_model(self) -> Denoiser:
-        """The model a step runs: in compile mode on a CPU, with its linears prepacked for oneDNN."""
-        if self.mode != "compile" or not onednn.available(self.model):
+        """The model a step runs: on a CPU, with its larger linears prepacked for oneDNN."""
+        if not onednn.available(self.model):
             return self.model
         if self._packed is None:
-            self._packed = onednn.prepack_linears(self.model)
-        return self._packed
+            self._packed = onednn.PackedModel(self.model)
+        return self._packed.model
+
+    def prepare_steps(self, state, program, steps: int) -> float:
+        if self._packed is not None:
+            self._packed.refresh()  # the model's weights may have changed since the last steps (training)
+        return super().prepare_steps(state, program, steps)
 
     # -- the graph runner ---------------------------------------------------------------------------
     def step_graph(self, state: DeviceState, kind: StepKind, model: Denoiser | None = None) -> _TorchGraph:

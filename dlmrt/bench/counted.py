@@ -108,6 +108,12 @@ class HostReads(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+def _has_storage(value: object) -> bool:
+    """A tensor with a storage to count: not a weight packed for oneDNN (runtime/onednn.py), which is
+    opaque, made once per backend like the weights themselves."""
+    return isinstance(value, torch.Tensor) and value.layout == torch.strided
+
+
 class _Dispatched(TorchDispatchMode):
     """Counts the aten ops dispatched, and the bytes of the tensors they allocate on `device` that are
     alive at once, at their peak. A storage is allocated by the op that first returns it when no input
@@ -127,9 +133,9 @@ class _Dispatched(TorchDispatchMode):
         out = func(*args, **kwargs)
         self.ops += 1
         inputs = set() if func is torch.ops.aten.lift_fresh.default else {
-            id(t.untyped_storage()) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+            id(t.untyped_storage()) for t in tree_leaves((args, kwargs)) if _has_storage(t)}
         for tensor in tree_leaves(out):
-            if isinstance(tensor, torch.Tensor) and tensor.device.type == self.device_type:
+            if _has_storage(tensor) and tensor.device.type == self.device_type:
                 self._allocated(tensor.untyped_storage(), inputs)
         return out
 
@@ -171,12 +177,17 @@ def deterministic_frees() -> Iterator[None]:
 
 
 def flop_counter() -> FlopCounterMode:
-    """torch's FLOP counter, which also counts the CPU's flash attention as the other attention kernels."""
+    """torch's FLOP counter, which also counts the CPU's flash attention as the other attention kernels,
+    and the oneDNN linear layers of the CPU path as the linear layers they stand for."""
     def attention(query, key, value, *args, out_shape=None, **kwargs) -> int:
         return sdpa_flop_count(query, key, value)
 
+    def packed_linear(x, packed_weight, bias, out_features, *args, out_shape=None, **kwargs) -> int:
+        return 2 * math.prod(x) * out_features
+
     return FlopCounterMode(display=False,
-                           custom_mapping={torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: attention})
+                           custom_mapping={torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: attention,
+                                           torch.ops.dlmrt.onednn_linear: packed_linear})
 
 
 def _count_reference(model: Denoiser, prompts: Sequence[Sequence[int]], plain: GenerationSettings) -> WorkCounts:

@@ -54,10 +54,14 @@ def test_a_follower_replays_rank_0s_batches_and_every_request_gets_its_one_proce
 
 
 def same_logprobs(ours, expected, tolerance=1e-5) -> bool:
-    """The same alternatives, and every log-probability within `tolerance` (the ranks sum in another order)."""
+    """The same alternatives, and every log-probability within `tolerance`, relative below -1 (the ranks sum
+    in another order, and split layers fall below the size the CPU path packs for oneDNN)."""
+    def close(x: float, y: float) -> bool:
+        return abs(x - y) <= tolerance * max(1.0, abs(y))
+
     return len(ours) == len(expected) and all(
-        abs(a - b) <= tolerance and [t for t, _ in top_a] == [t for t, _ in top_b]
-        and all(abs(x - y) <= tolerance for (_, x), (_, y) in zip(top_a, top_b))
+        close(a, b) and [t for t, _ in top_a] == [t for t, _ in top_b]
+        and all(close(x, y) for (_, x), (_, y) in zip(top_a, top_b))
         for (a, top_a), (b, top_b) in zip(ours, expected))
 
 

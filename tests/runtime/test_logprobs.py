@@ -75,12 +75,13 @@ def check_against_model(model, steps, prompts, tokens_of_row, logprobs_of_row, a
         for index, (token, found) in enumerate(zip(tokens, logprobs)):
             step, j = committing_step(steps, row, len(prompt) + index, token)
             expected = reference_logprobs(model, step, grid)[row, j]
-            assert found.logprob == pytest.approx(float(expected[token]), abs=atol)
+            # rel: float32's precision at logprobs of -10 and below (the CPU's oneDNN matmuls sum in their own order)
+            assert found.logprob == pytest.approx(float(expected[token]), rel=1e-5, abs=atol)
             without_mask = expected.clone()
             without_mask[model.tokens.mask_id] = float("-inf")
             top = without_mask.topk(len(found.top))
             assert [t for t, _ in found.top] == top.indices.tolist()
-            assert [v for _, v in found.top] == pytest.approx(top.values.tolist(), abs=atol)
+            assert [v for _, v in found.top] == pytest.approx(top.values.tolist(), rel=1e-5, abs=atol)
             checked += 1
     return checked
 
