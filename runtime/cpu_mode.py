@@ -25,11 +25,13 @@ from dataclasses import dataclass
 from torch import nn
 
 from dlmrt.export.models import Denoiser
+from dlmrt.runtime import onednn
 from dlmrt.runtime.layout import canvas_length
 from dlmrt.runtime.settings import GenerationSettings
 
 EAGER_FLOP_RATE = 290e9  # float32 matmul FLOP/s of an eager step (oneDNN, and eager's overheads)
-COMPILED_FLOP_RATE = 350e9  # the same compiled: fused elementwise ops, no per-op dispatch
+EAGER_BLAS_FLOP_RATE = 150e9  # the same where eager's linears stay on torch's BLAS (not float32, no oneDNN)
+COMPILED_FLOP_RATE = 350e9  # compiled: fused elementwise ops, no per-op dispatch
 WARM_COMPILE_SECONDS = 5.0  # what a new process pays to compile, its kernels found in inductor's cache
 
 
@@ -59,7 +61,8 @@ def linear_weights(model: Denoiser) -> int:
 def seconds_saved(model: Denoiser, work: Work) -> float:
     """What compiling would save on `work`, before paying for the compile."""
     flops = 2 * linear_weights(model) * work.rows * work.forwards
-    return flops * (1 / EAGER_FLOP_RATE - 1 / COMPILED_FLOP_RATE)
+    eager_rate = EAGER_FLOP_RATE if onednn.available(model) else EAGER_BLAS_FLOP_RATE
+    return flops * (1 / eager_rate - 1 / COMPILED_FLOP_RATE)
 
 
 def auto_mode(model: Denoiser, work: Work) -> str:

@@ -36,6 +36,16 @@ def test_the_time_saved_is_the_matmul_flops_at_the_two_rates(tiny):
     assert cpu_mode.seconds_saved(tiny, work) == pytest.approx(expected)
 
 
+def test_an_eager_step_off_onednn_is_counted_at_the_blas_rate(tiny):
+    """A bfloat16 model's eager linears stay on torch's BLAS (runtime/onednn.py packs float32 only)."""
+    half = dlmrt.load(TINY_MODEL_DIR, dtype="bfloat16")
+    work = cpu_mode.Work(forwards=10, rows=32)
+    flops = 2 * sum(m.weight.numel() for m in tiny.modules() if isinstance(m, torch.nn.Linear)) * 32 * 10
+    assert cpu_mode.seconds_saved(half, work) == pytest.approx(
+        flops / cpu_mode.EAGER_BLAS_FLOP_RATE - flops / cpu_mode.COMPILED_FLOP_RATE)
+    assert cpu_mode.seconds_saved(half, work) > cpu_mode.seconds_saved(tiny, work)
+
+
 def test_a_one_off_command_on_the_tiny_model_stays_eager_and_a_long_one_on_a_big_model_compiles(tiny):
     settings = GenerationSettings(16, 8, Threshold(0.9), cache="dual")
     assert cpu_mode.auto_mode(tiny, cpu_mode.work_of(tiny, settings, [[5] * 10], 64)) == "eager"
