@@ -87,25 +87,21 @@ class PackedModel:
                     setattr(twin, child_name, PackedLinear(child))
             self._slots += [(module, leaf, twin) for leaf in (*module._parameters, *module._buffers)]
 
-    def refresh(self) -> bool:
+    def refresh(self) -> None:
         """Bring the copy up to date with the model: re-pack a weight written in place or replaced, and
-        take any other tensor the model was given since. True if anything changed."""
-        changed = False
+        take any other tensor the model was given since."""
         for module, leaf, twin in self._slots:
             tensor = getattr(module, leaf)
             if isinstance(twin, PackedLinear) and leaf == "weight":
                 if twin.stale(tensor):
                     twin.pack(tensor)
-                    changed = True
             elif getattr(twin, leaf) is not tensor:
                 (twin._parameters if leaf in twin._parameters else twin._buffers)[leaf] = tensor
-                changed = True
-        return changed
 
 
 def _shared_objects(model: Denoiser) -> dict[int, object]:
-    """A deepcopy memo that copies only modules and the containers holding them: the tensors and any
-    other attribute of a module stay the model's own."""
+    """A deepcopy memo under which only modules and the containers that may hold them are copied: the
+    tensors and every other attribute of a module stay the model's own."""
     shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
     for module in model.modules():
         for value in vars(module).values():
