@@ -61,6 +61,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()
+    if not DLMRT.exists():
+        raise SystemExit(f"no dlmrt command beside {sys.executable}: run this script with the Python of the "
+                         f"environment dlmrt is installed in (e.g. .venv/bin/python)")
     from dlmrt.bench.models import random_model
     from dlmrt.export import checkpoint
 
