@@ -24,10 +24,10 @@ def pack_every_linear(monkeypatch):
     monkeypatch.setattr(onednn, "MIN_PACKED_WEIGHTS", 1)
 
 
-def plain_tokens(model, monkeypatch, settings=SETTINGS):
+def plain_tokens(model, monkeypatch):
     with monkeypatch.context() as patch:
         patch.setattr(onednn, "available", lambda model: False)
-        return Generator(model, mode="eager").generate(PROMPTS, settings).tokens
+        return Generator(model, mode="eager").generate(PROMPTS, SETTINGS).tokens
 
 
 @pytest.mark.parametrize("bias", [True, False])
