@@ -26,6 +26,14 @@ RANDOM_CONFIGS = {
         "moe_intermediate_size": 256, "num_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 4,
         "topk_group": 2, "routed_scaling_factor": 2.5, "norm_topk_prob": True, "partial_rotary_factor": 0.5,
         "rope_theta": 600000.0, "use_qk_norm": True, "max_position_embeddings": 1024},
+    # LLaDA2.1-mini's shapes (its public config.json), for a GPU: 16B parameters, about 1.4B active per token.
+    "llada2.1-mini": {
+        "architectures": ["LLaDA2MoeModelLM"], "model_type": "llada2_moe", "hidden_size": 2048,
+        "num_hidden_layers": 20, "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 128,
+        "intermediate_size": 5120, "vocab_size": 157184, "num_experts": 256, "num_experts_per_tok": 8,
+        "moe_intermediate_size": 512, "num_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 8,
+        "topk_group": 4, "routed_scaling_factor": 2.5, "norm_topk_prob": True, "partial_rotary_factor": 0.5,
+        "rope_theta": 600000.0, "use_qk_norm": True, "max_position_embeddings": 8192},
 }
 
 

@@ -98,7 +98,7 @@ SCENARIO_OPTIONS = ("model_name", "backend_spec", "batch_size", "input_len", "ou
 @click.command("bench")
 @model_param("model_name", metavar="DIR|NAME", path=False,
              help="A model directory, or a random-weight config: llada-512x6, llada-1024x8, llada-8b (for a GPU), "
-                  "llada2-moe-small [default: the tiny model].")
+                  "llada2-moe-small, llada2.1-mini (for a GPU) [default: the tiny model].")
 @click.option("--backend", "backend_spec", default="torch:eager", show_default=True,
               metavar="torch[:MODE],ort[:PRECISION],reference",
               help="Backends and modes compared side by side, comma-separated; the first is the baseline of the "
