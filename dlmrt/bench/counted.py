@@ -28,8 +28,9 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
+from torch.utils.flop_counter import FlopCounterMode
 
+from dlmrt.bench.flop_formulas import custom_formulas
 from dlmrt.core.errors import ArgumentError
 from dlmrt.export.models import Denoiser
 from dlmrt.runtime import Fixed, GenerationResult, GenerationSettings, Generator, reference
@@ -178,16 +179,9 @@ def deterministic_frees() -> Iterator[None]:
 
 def flop_counter() -> FlopCounterMode:
     """torch's FLOP counter, which also counts the CPU's flash attention as the other attention kernels,
-    and the oneDNN linear layers of the CPU path as the linear layers they stand for."""
-    def attention(query, key, value, *args, out_shape=None, **kwargs) -> int:
-        return sdpa_flop_count(query, key, value)
-
-    def packed_linear(x, packed_weight, bias, out_features, *args, out_shape=None, **kwargs) -> int:
-        return 2 * math.prod(x) * out_features
-
-    return FlopCounterMode(display=False,
-                           custom_mapping={torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: attention,
-                                           torch.ops.dlmrt.onednn_linear: packed_linear})
+    the oneDNN linear layers of the CPU path as the linear layers they stand for, and grouped matrix
+    products (`dlmrt.bench.flop_formulas`)."""
+    return FlopCounterMode(display=False, custom_mapping=custom_formulas())
 
 
 def _count_reference(model: Denoiser, prompts: Sequence[Sequence[int]], plain: GenerationSettings) -> WorkCounts:
