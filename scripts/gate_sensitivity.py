@@ -39,6 +39,7 @@ from rich.table import Table
 
 from dlmrt.bench import canary, paired
 from dlmrt.bench import suite as bench_suite
+from dlmrt.bench.step_case import default_cache
 from dlmrt.cli import bench as cli_bench
 from dlmrt.runtime import GenerationSettings, make_policy, ort_backend
 from dlmrt.runtime.executor import Executor
@@ -93,7 +94,7 @@ def build_cases(scenario: bench_suite.Scenario, threads: int, scratch: Path, con
     policy = make_policy(scenario.policy, threshold=scenario.threshold, factor=scenario.factor, steps=scenario.steps,
                          generation_config=model.generation_config)
     settings = GenerationSettings(scenario.output_len, scenario.block_length or min(32, scenario.output_len), policy,
-                                  cache=scenario.cache or cli_bench.default_cache(model), ignore_eos=True)
+                                  cache=scenario.cache or default_cache(model), ignore_eos=True)
     special = {model.tokens.mask_id, model.tokens.pad_id, *model.tokens.eos_ids}
     allowed = torch.tensor([i for i in range(model.vocab_size) if i not in special])
     chosen = torch.randint(len(allowed), (scenario.batch_size, scenario.input_len),

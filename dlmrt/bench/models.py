@@ -39,11 +39,39 @@ RANDOM_CONFIGS = {
 
 def random_model(name: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Denoiser:
     """The named config with seeded random weights (mask: the last id; EOS and pad: the one before)."""
-    if name not in RANDOM_CONFIGS:
-        raise ArgumentError(f"unknown model {name!r}: give a model directory, or one of {', '.join(RANDOM_CONFIGS)}")
-    config = RANDOM_CONFIGS[name]
-    vocab = config["vocab_size"]
-    model = models.create(config, tokens=SpecialTokens(mask_id=vocab - 1, eos_ids=(vocab - 2,), pad_id=vocab - 2),
-                          seed=0, dtype=dtype, device=device)
+    config = _config(name)
+    model = models.create(config, tokens=_tokens(config), seed=0, dtype=dtype, device=device)
     model.name = name
     return model
+
+
+def meta_model(name: str | None, dtype: str) -> Denoiser:
+    """The module tree of a named config or a model directory (default: the tiny model) on the meta
+    device, in `dtype` ("auto": bfloat16 for a named config, a directory's config.json dtype): the
+    shapes of every weight, and none of their values."""
+    from pathlib import Path
+
+    from dlmrt import TINY_MODEL_DIR
+    from dlmrt.export import checkpoint
+
+    if name in RANDOM_CONFIGS:
+        config = _config(name)
+        model = models.build(config, "config", _tokens(config), device="meta")
+        model.name = name
+        return model.to(checkpoint.resolve_dtype("bfloat16" if dtype == "auto" else dtype))
+    path = Path(name) if name else TINY_MODEL_DIR
+    if name and not path.exists():
+        raise ArgumentError(f"--model {name!r} is neither a model directory nor a random config "
+                            f"({', '.join(RANDOM_CONFIGS)})")
+    return checkpoint.structure(path).to(checkpoint.resolve_dtype(dtype, checkpoint.read_config(path)))
+
+
+def _config(name: str) -> dict:
+    if name not in RANDOM_CONFIGS:
+        raise ArgumentError(f"unknown model {name!r}: give a model directory, or one of {', '.join(RANDOM_CONFIGS)}")
+    return RANDOM_CONFIGS[name]
+
+
+def _tokens(config: dict) -> SpecialTokens:
+    vocab = config["vocab_size"]
+    return SpecialTokens(mask_id=vocab - 1, eos_ids=(vocab - 2,), pad_id=vocab - 2)

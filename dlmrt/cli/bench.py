@@ -29,7 +29,7 @@ from dlmrt.core import limits
 from dlmrt.bench.suite import Scenario
 from dlmrt.cli.errors import reports_errors
 from dlmrt.cli.model_param import model_param
-from dlmrt.cli.types import FLOAT32, LENGTH
+from dlmrt.cli.types import BATCH_SIZES, FLOAT32, LENGTH
 from dlmrt.core.errors import ArgumentError
 
 BENCH_FORMAT_VERSION = 1
@@ -38,6 +38,7 @@ POLICIES = ("fixed", "threshold", "factor", "llada2", "entropy_bound")
 # The results table's width where the output is no terminal (on a terminal, the terminal's): the
 # default table fits 100 columns, the --wide one about 170.
 TABLE_WIDTH, WIDE_TABLE_WIDTH = 100, 180
+COMMANDLINE = click.core.ParameterSource.COMMANDLINE
 
 
 def parse_backends(spec: str) -> list[tuple[str, str | None]]:
@@ -103,7 +104,8 @@ SCENARIO_OPTIONS = ("model_name", "backend_spec", "batch_size", "input_len", "ou
               metavar="torch[:MODE],ort[:PRECISION],reference",
               help="Backends and modes compared side by side, comma-separated; the first is the baseline of the "
                    "speed ratios. ort:int8, ort:int4 and ort:int8-dynamic run the export quantized for a CPU.")
-@click.option("--batch-size", type=click.IntRange(1, limits.MAX_BATCH), default=1, show_default=True)
+@click.option("--batch-size", type=BATCH_SIZES, default="1", show_default=True,
+              help="Rows of the batch; with --roofline, a comma-separated list (1,8,64).")
 @click.option("--input-len", type=LENGTH, default=32, show_default=True, help="Prompt tokens.")
 @click.option("--output-len", type=LENGTH, default=32, show_default=True, help="Generated tokens (gen-length).")
 @click.option("--num-iters", type=click.IntRange(1, 100_000), default=5, show_default=True,
@@ -121,7 +123,7 @@ SCENARIO_OPTIONS = ("model_name", "backend_spec", "batch_size", "input_len", "ou
                    "uniform-noise models]")
 @click.option("--block-length", type=LENGTH, default=None, help="[default: 32, or --output-len if smaller]")
 @click.option("--dtype", type=click.Choice(("auto", "float32", "bfloat16", "float16")), default="auto",
-              show_default=True, help="auto: float32 (a model directory: its config's dtype).")
+              show_default=True, help="auto: float32, with --roofline bfloat16 (a model directory: its config's).")
 @click.option("--device", type=click.Choice(("cpu", "cuda")), default="cpu", show_default=True)
 @click.option("--seed", type=click.IntRange(0, limits.MAX_SEED), default=0, show_default=True,
               help="Seeds the prompts.")
@@ -145,15 +147,26 @@ SCENARIO_OPTIONS = ("model_name", "backend_spec", "batch_size", "input_len", "ou
 @click.option("--plot", "plot_path", type=click.Path(path_type=Path, dir_okay=False), default=None,
               metavar="PATH.png", help="Plot each speed ratio's trend over --history (or this run) and the "
                                        "speed-quality points (needs matplotlib).")
+@click.option("--roofline", is_flag=True, help="Count one step on meta tensors instead: each row's bytes, FLOPs and "
+              "floor on --gpu, per --batch-size; with --device given, also measured there (docs/roofline.md).")
+@click.option("--gpu", "gpu_name", default=None, metavar="NAME", help="With --roofline: h100, h200 (4.2 TB/s "
+              "measured), h200-nominal, rtx5090 or b200 [default: h200].")
 @click.pass_context
 @reports_errors
 def bench_command(ctx, wide, output_json, suite, scenario_names, baseline, check, update_baseline, summary, junit,
-                  history, plot_path, **options):
+                  history, plot_path, roofline, gpu_name, **options):
     """Latency and throughput of generate: tokens/s, TPF, NFE, latency per request and per step."""
     import time
 
     from rich.console import Console
 
+    if roofline:
+        return run_roofline(ctx, options, gpu_name or "h200", output_json)
+    if gpu_name is not None:
+        raise click.UsageError("--gpu names the GPU of a roofline's floors: it needs --roofline")
+    if len(options["batch_size"]) > 1:
+        raise click.UsageError("a list of batch sizes needs --roofline: a timed scenario runs one batch size")
+    options["batch_size"] = options["batch_size"][0]
     started = time.monotonic()
     if plot_path is not None:
         from dlmrt.eval.evaluation import require_matplotlib
@@ -174,7 +187,7 @@ def bench_command(ctx, wide, output_json, suite, scenario_names, baseline, check
         suite_name = None
     else:
         given = [name for name in SCENARIO_OPTIONS
-                 if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE]
+                 if ctx.get_parameter_source(name) == COMMANDLINE]
         if given:
             raise click.UsageError(f"--suite sets every scenario's options: drop {option_name(ctx, given[0])}, "
                                    f"or set it in the suite")
@@ -213,6 +226,33 @@ def bench_command(ctx, wide, output_json, suite, scenario_names, baseline, check
             bench_suite.write_plot([*past, entry], plot_path, f"dlmrt bench: {suite_name or 'one scenario'}")
     if failed is not None:
         raise failed
+
+
+# What --roofline reads; any other option given with it is refused.
+ROOFLINE_OPTIONS = ("model_name", "batch_size", "input_len", "output_len", "block_length", "cache", "dtype", "device",
+                    "output_json", "roofline", "gpu_name")
+
+
+def run_roofline(ctx: click.Context, options: dict, gpu_name: str, output_json: Path | None) -> None:
+    """`--roofline` (dlmrt.bench.roofline_report); with --device given, the step is also measured there."""
+    from rich.console import Console
+
+    from dlmrt.bench import hardware, roofline_report
+    from dlmrt.bench.models import meta_model
+
+    source = ctx.get_parameter_source
+    given = [p.name for p in ctx.command.params if p.name not in ROOFLINE_OPTIONS and source(p.name) == COMMANDLINE]
+    if given:
+        raise click.UsageError(f"--roofline counts one step of the model: drop {option_name(ctx, given[0])}")
+    gpu = hardware.gpu(gpu_name)
+    meta = meta_model(options["model_name"], options["dtype"])
+    measured_on = None
+    if source("device") == COMMANDLINE:
+        measured_on = open_model(options["model_name"], str(meta.dtype).removeprefix("torch."), options["device"])
+    roofline_report.run(meta, gpu, options["batch_size"], input_len=options["input_len"],
+                        output_len=options["output_len"], block_length=options["block_length"], cache=options["cache"],
+                        console=Console(width=None if sys.stdout.isatty() else WIDE_TABLE_WIDTH),
+                        measured_on=measured_on, output_json=output_json)
 
 
 def gate(suite_name: str, scenarios, results: dict, expected: dict, summary, junit, wide: bool,
@@ -262,6 +302,7 @@ def run_scenario(scenario: Scenario, console, wide: bool, gated: bool = False) -
     from dlmrt.bench.benchmark import summarize
     from dlmrt.bench.canary import LABEL as CANARY
     from dlmrt.bench.paired import median_with_ci, paired_ratios
+    from dlmrt.bench.step_case import default_cache
     from dlmrt.runtime import GenerationSettings, make_policy
 
     backends = parse_backends(",".join(scenario.backends))
@@ -319,14 +360,6 @@ def run_scenario(scenario: Scenario, console, wide: bool, gated: bool = False) -
             "settings": {"policy": policy.name, **dataclasses.asdict(policy), "cache": cache,
                          "block_length": block_length, "dtype": str(model.dtype)},
             "cases": rows, "exact_match": exact, "canary": canary}
-
-
-def default_cache(model) -> str:
-    """prefix for block-causal models (their exact block cache), none for uniform-noise ones (whose
-    encoder cache is not a choice), else dual."""
-    if model.block_causal:
-        return "prefix"
-    return "none" if model.noise == "uniform" else "dual"
 
 
 def make_cases(model, backends, prompts, settings, scratch: Path, console, ort_threads: int | None = None,

@@ -1,0 +1,75 @@
+"""The roofline of a step: each row's bytes and FLOPs, counted from the step graph itself on meta
+tensors, and the floor they set on a GPU.
+
+    model = meta_model("llada-8b", "bfloat16")
+    roofline = count_step(model, StepCase(batch=1, input_len=512, output_len=32, block_length=32, cache="dual"))
+    roofline.floor_s(gpu("h200"))
+
+A row's floor is the longer of moving its bytes at the GPU's bandwidth and computing its FLOPs at the
+peak rate of their dtype; the step's floor is the sum of its rows' floors (rows run one after another,
+each at its own bound). The weights floor is the weight bytes the step reads, at the bandwidth: what no
+kernel fusion can remove. Rows and their counting rules: `step_scopes`, `op_costs`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dlmrt.bench.hardware import Gpu
+from dlmrt.bench.meta_kernels import fused_attention, grouped_experts, moe_layers
+from dlmrt.bench.op_costs import Cost, OpCosts
+from dlmrt.bench.step_case import StepCase, step_graph, step_inputs, step_shapes
+from dlmrt.bench.step_scopes import GroupScopes, row_name
+from dlmrt.export.models import Denoiser
+
+
+@dataclass(frozen=True)
+class Roofline:
+    model: str
+    dtype: torch.dtype
+    case: StepCase
+    rows: dict[str, Cost]  # in the order the step first runs them
+    weights_bytes: int  # every weight's bytes, once
+    top_k: int | None  # experts a token chooses (MoE models)
+
+    @property
+    def total(self) -> Cost:
+        total = Cost()
+        for cost in self.rows.values():
+            total.ops += cost.ops
+            total.bytes_read += cost.bytes_read
+            total.bytes_written += cost.bytes_written
+            total.weight_bytes += cost.weight_bytes
+            total.flops += cost.flops
+        return total
+
+    @staticmethod
+    def row_floor_s(cost: Cost, gpu: Gpu) -> float:
+        compute = sum(flops / gpu.flop_rate(dtype) for dtype, flops in (cost.flops_by_dtype or {}).items())
+        return max((cost.bytes_read + cost.bytes_written) / gpu.bandwidth, compute)
+
+    def floor_s(self, gpu: Gpu) -> float:
+        return sum(self.row_floor_s(cost, gpu) for cost in self.rows.values())
+
+    def weights_floor_s(self, gpu: Gpu) -> float:
+        return self.total.weight_bytes / gpu.bandwidth
+
+
+def count_step(model: Denoiser, case: StepCase) -> Roofline:
+    """The roofline of `case`'s step of `model`, a module tree on the meta device (`meta_model`)."""
+    if model.device.type != "meta":
+        raise ValueError(f"count_step runs the step on meta tensors: build {model.name} on the meta device")
+    shapes = step_shapes(model, case)
+    graph = step_graph(model, shapes, case.block_length)
+    inputs = step_inputs(model, case, shapes, "meta")
+    layers = moe_layers(model)
+    top_k = layers[0][1].gate.top_k if layers else None
+    scopes = GroupScopes(graph)
+    with torch.no_grad(), fused_attention(), scopes, grouped_experts(model, scopes) as stand_ins:
+        weights = [*model.state_dict().values(), *stand_ins]
+        with OpCosts(lambda op: row_name(scopes.current, op), weights, top_k or 1) as costs:
+            graph(**inputs)
+    stored = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in model.state_dict().values()}
+    return Roofline(model.name, model.dtype, case, dict(costs.rows), sum(stored.values()), top_k)
