@@ -11,7 +11,7 @@ import time
 import pytest
 
 import dlmrt
-from dlmrt.core import json_files, limits
+from dlmrt.core import limits
 from dlmrt.core.errors import CheckpointError, DlmrtError, ResourceError
 from dlmrt.export import checkpoint, models
 from helpers import LLADA, LLADA2, TOKENS, config, random_model
@@ -61,8 +61,9 @@ def test_not_utf8_and_too_large(model_dir, monkeypatch):
     with pytest.raises(CheckpointError, match=r"config.json is not UTF-8 text \(byte 18\)"):
         dlmrt.load(model_dir)
     write_config(model_dir, json.dumps(LLADA))
-    monkeypatch.setattr(json_files, "MAX_BYTES", 100)
-    with pytest.raises(CheckpointError, match="too large for a dlmrt JSON file"):
+    monkeypatch.setattr(limits, "MAX_CONFIG_BYTES", 100)
+    with pytest.raises(CheckpointError, match=r"config.json is \d+ bytes, more than dlmrt reads as JSON \(at most "
+                                              r"100 bytes\)"):
         dlmrt.load(model_dir)
 
 
