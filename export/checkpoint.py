@@ -22,7 +22,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
-from dlmrt.core import atomic, json_files
+from dlmrt.core import atomic, file_reads, json_files, limits
 from dlmrt.core.errors import ArgumentError, CheckpointError
 from dlmrt.export import generation_config, models
 from dlmrt.export.models import Denoiser, SpecialTokens
@@ -61,17 +61,19 @@ def read_config(root: Path) -> dict[str, Any]:
     if not root.is_dir():
         raise CheckpointError(f"{root} is not a directory (expected a Hugging Face model directory)")
     path = root / "config.json"
-    if not path.is_file():
+    if not path.exists():
         raise CheckpointError(f"{root} has no config.json (expected a Hugging Face model directory)")
     return _read_json(path)
 
 
 def load_tokenizer(root: Path) -> Tokenizer | None:
     path = root / "tokenizer.json"
-    if not path.is_file():
+    if not path.exists():
         return None
+    text = file_reads.read_text(path, CheckpointError, most=limits.MAX_DATA_BYTES, what="a tokenizer",
+                                too_large="check that it is the model's tokenizer.json")
     try:
-        return Tokenizer.from_file(str(path))
+        return Tokenizer.from_str(text)
     except Exception as error:  # tokenizers raises plain Exception subclasses
         raise CheckpointError(f"{path}: cannot be parsed by the tokenizers library ({error})") from None
 
@@ -141,6 +143,9 @@ def resolve_special_tokens(root: Path, config: Mapping[str, Any], generation: Ma
 
 
 def _open(path: Path):
+    # safetensors maps the file itself: a FIFO would hold its open forever, so its type is checked first
+    file_reads.check_regular(path, CheckpointError, most=limits.MAX_WEIGHTS_BYTES, what="weights",
+                             too_large="shard the checkpoint (model.safetensors.index.json)")
     try:
         return safe_open(str(path), framework="pt")
     except SafetensorError as error:
@@ -153,7 +158,7 @@ def _open(path: Path):
 def tensor_files(root: Path) -> dict[str, Path]:
     """Which safetensors file holds each tensor, from the shard index or the single file."""
     index_path = root / INDEX_FILE
-    if index_path.is_file():
+    if index_path.exists():
         weight_map = _read_json(index_path).get("weight_map")
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise CheckpointError(f"{index_path}: field 'weight_map' must be an object mapping tensor "
@@ -162,10 +167,10 @@ def tensor_files(root: Path) -> dict[str, Path]:
             if Path(shard).name != shard or shard in ("", ".", ".."):
                 raise CheckpointError(f"{index_path}: shard {shard[:100]!r} is not a file name: shards are read "
                                       f"from the model directory itself, never from another")
-            if not (root / shard).is_file():
+            if not (root / shard).exists():
                 raise CheckpointError(f"{index_path}: lists shard {shard}, which is missing from {root}")
         return {name: root / shard for name, shard in weight_map.items()}
-    if (root / SINGLE_FILE).is_file():
+    if (root / SINGLE_FILE).exists():
         with _open(root / SINGLE_FILE) as f:
             return {name: root / SINGLE_FILE for name in f.keys()}
     hint = ""
@@ -255,7 +260,8 @@ def load(path: str | os.PathLike, *, dtype: str | torch.dtype = "float32", devic
     model.tokenizer = tokenizer
     tokenizer_config = root / TOKENIZER_CONFIG_FILE
     # Read by `dlmrt.core.chat_template` when serving; only its bytes travel with the model, into saves and exports.
-    model.tokenizer_config = tokenizer_config.read_bytes() if tokenizer_config.is_file() else None
+    model.tokenizer_config = file_reads.read_bytes(tokenizer_config, CheckpointError, most=limits.MAX_CONFIG_BYTES,
+                                                   what="JSON") if tokenizer_config.exists() else None
     model.generation_config = generation
     model.name = root.resolve().name
     return model

@@ -32,7 +32,7 @@ SINGLE_IDS = ("pad_token_id", "mask_token_id", "bos_token_id")
 def read(directory: Path, error: type[CheckpointError] = CheckpointError) -> dict[str, Any]:
     """The checked generation config of `directory`, or {} where it has none."""
     path = Path(directory) / FILE
-    if not path.is_file():
+    if not path.exists():
         return {}
     return check(json_files.read(path, error), str(path), error)
 

@@ -30,6 +30,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 import dlmrt
+from dlmrt.cli.errors import print_error
 from dlmrt.core import atomic, tasks
 from dlmrt.core.errors import DlmrtError
 from dlmrt.eval import evaluation
@@ -89,7 +90,7 @@ def main() -> int:
                 except DlmrtError as error:
                     raise DlmrtError(f"{path}: {error}") from None
     except DlmrtError as error:
-        console.print(f"[red]error:[/red] {error}")
+        print_error(console, str(error))
         return 2
     examples = tasks.examples("test", args.per_task, seed=args.data_seed, tasks=names)
     curves: dict[str, list[comparison.Curve]] = {}

@@ -30,6 +30,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from dlmrt.cli.errors import print_error
 from dlmrt.core import atomic, tasks
 from dlmrt.core.errors import DlmrtError
 from dlmrt.eval.evaluation import exact_match
@@ -78,7 +79,7 @@ def main() -> int:
                 raise DlmrtError("give --base (the checkpoint to start from), or --resume to continue a run")
             run = Run.start(args.base, config, args.out)
     except DlmrtError as error:
-        console.print(f"[red]error:[/red] {error}")
+        print_error(console, str(error))
         return 2
     started = time.perf_counter()
     done = run.iteration * config.updates

@@ -25,7 +25,7 @@ from pathlib import Path
 import click
 
 from dlmrt.bench import suite as bench_suite
-from dlmrt.core import limits
+from dlmrt.core import file_reads, limits
 from dlmrt.bench.suite import Scenario
 from dlmrt.cli.errors import reports_errors
 from dlmrt.cli.model_param import model_param
@@ -175,6 +175,11 @@ def bench_command(ctx, wide, output_json, suite, scenario_names, baseline, check
             raise click.BadParameter(f"the plot is a PNG: give a path ending in .png, got {str(plot_path)!r}",
                                      param_hint="--plot")
         require_matplotlib()
+    # dlmrt.bench reads these itself: a FIFO or a device there would hold the command, so they are checked first
+    read_here = ((suite, limits.MAX_CONFIG_BYTES, "a bench suite"), (history, limits.MAX_DATA_BYTES, "a bench history"))
+    for path, most, what in read_here:
+        if path is not None and path.exists():
+            file_reads.check_regular(path, bench_suite.SuiteError, most=most, what=what)
     past = bench_suite.read_history(history) if history is not None else []  # a bad history fails first
     failed = None
     if suite is None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from dlmrt.cli.errors import reports_errors, require_onnx_extra
+from dlmrt.cli.errors import print_line, reports_errors, require_onnx_extra
 from dlmrt.core.errors import ArgumentError
 
 DIMENSION_HELP = "{dim} range MIN:OPT:MAX (or one size) for the optimization profile [default: {default}]."
@@ -170,11 +170,11 @@ def print_plan(plan, problems, installed: str | None) -> None:
     for graph in plan.graphs:  # plain lines: a table would wrap them inside its borders
         click.echo(f"  --onnx={Path(plan.export_dir) / graph.onnx} {' '.join(trtexec_flags(graph.shapes))}")
     if problems:
-        console.print(f"[red]preflight: {len(problems)} problem{'s' * (len(problems) > 1)}[/red]")
+        print_line(console, f"preflight: {len(problems)} problem{'s' * (len(problems) > 1)}", style="red")
         for problem in problems:
-            console.print(f"  {problem}")
+            print_line(console, f"  {problem}")
     else:
-        console.print("preflight: the export's graphs pass (operators, opset, plugins, Q/DQ, profiles)")
+        print_line(console, "preflight: the export's graphs pass (operators, opset, plugins, Q/DQ, profiles)")
 
 
 def print_manifest(entry: Path, record: dict, problems: list[str]) -> None:
@@ -192,9 +192,9 @@ def print_manifest(entry: Path, record: dict, problems: list[str]) -> None:
                                        f"from {info['onnx']} (sha256 {info['onnx_sha256'][:16]}…)")
     console.print(table)
     if problems:
-        console.print("[red]hashes: " + "; ".join(problems) + "[/red]")
+        print_line(console, "hashes: " + "; ".join(problems), style="red")
     else:
-        console.print("hashes: every engine and the timing cache match the manifest")
+        print_line(console, "hashes: every engine and the timing cache match the manifest")
 
 
 @click.command("inspect")
@@ -243,7 +243,7 @@ def inspect_command(path, as_json, export_dir, target, precision, tensorrt_versi
         reports.append({"entry": str(entry), "manifest": record, "problems": problems})
     for report in reports if not as_json else ():
         if report["manifest"] is None:
-            Console(stderr=True).print(f"[red]{report['problems'][0]}[/red]", highlight=False)
+            print_line(Console(stderr=True), report["problems"][0], style="red")
         else:
             print_manifest(Path(report["entry"]), report["manifest"], report["problems"])
     if as_json:

@@ -2,6 +2,10 @@
 too); an internal error, the guard of last resort, is one line asking for a bug report, with exit
 status 70 and its traceback only under `--debug` or DLMRT_DEBUG=1. A warning is one line too.
 
+One line whatever the terminal's width: click prints its errors unwrapped, and a one-line message that
+goes through rich (a problem `inspect` reports, a script's error) is printed with `print_line` or
+`print_error`, unwrapped, so a long path never moves a break into it.
+
 The guard wraps the installed `dlmrt` command (`guarded`), not the click group: tests invoke the
 group, so any exception that is not a DlmrtError still fails them.
 """
@@ -21,6 +25,19 @@ class UserError(click.ClickException):
     """A DlmrtError shown as one line, with exit status 2 (as click does for usage errors)."""
 
     exit_code = 2
+
+
+def print_line(console, message: str, style: str | None = None) -> None:
+    """`message` on the rich `console` as one line, never wrapped at the terminal's width, and never read as
+    rich markup (a path may hold brackets)."""
+    console.print(message, style=style, soft_wrap=True, markup=False, highlight=False)
+
+
+def print_error(console, message: str) -> None:
+    """A script's error on the rich `console`: one line, `error:` in red, then `message` (as `print_line`)."""
+    from rich.text import Text
+
+    console.print(Text.assemble(("error:", "red"), " ", message), soft_wrap=True, highlight=False)
 
 
 def reports_errors(command):

@@ -70,6 +70,10 @@ class ReplicaRange(click.ParamType):
 @click.option("--shutdown-timeout", type=click.FloatRange(min=0), default=25.0, show_default=True,
               help="Seconds the running requests get to finish after SIGTERM; then they are cancelled.")
 @click.option("--served-model-name", default=None, help="The name clients use [default: the model's].")
+@click.option("--allowed-origins", default=None, metavar="ORIGIN,... | *",
+              help="Web origins (scheme://host[:port], comma-separated) whose pages may call the API from a "
+                   "browser (CORS), or * for any [default: none; programs other than browsers are not "
+                   "affected].")
 @click.option("--log-level", type=click.Choice(LOG_LEVELS), default="info", show_default=True,
               help="uvicorn's and dlmrt's: info logs the model, the address it listens on, and a line a request.")
 @click.option("--replicas", type=click.IntRange(1), default=None,
@@ -85,7 +89,7 @@ class ReplicaRange(click.ParamType):
 @reports_errors
 def serve_command(model_dir, backend, mode, device, dtype, max_batch, host, port, max_queue, request_timeout,
                   max_body_bytes, header_timeout, body_timeout, keep_alive_timeout, max_connections, shutdown_timeout,
-                  served_model_name, log_level, replicas, threads_per_replica, autoscale, tp, ep):
+                  served_model_name, allowed_origins, log_level, replicas, threads_per_replica, autoscale, tp, ep):
     """Serve the model over the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /health,
     /metrics), with continuous batching at block boundaries."""
     require_serve_extra()
@@ -99,6 +103,7 @@ def serve_command(model_dir, backend, mode, device, dtype, max_batch, host, port
     import uvicorn
 
     from dlmrt.serve.app import ServerLimits
+    from dlmrt.serve.cors import parse_origins
     from dlmrt.serve.transport import server_config
 
     limits = ServerLimits(max_queue=max_queue, request_timeout_s=request_timeout, max_body_bytes=max_body_bytes,
@@ -107,7 +112,8 @@ def serve_command(model_dir, backend, mode, device, dtype, max_batch, host, port
                           shutdown_timeout_s=shutdown_timeout)
     opening = {"backend": backend, "model_dir": model_dir, "mode": mode, "device": device, "dtype": dtype,
                "max_batch": max_batch}
-    build = functools.partial(build_app, opening, limits=limits, served_model_name=served_model_name)
+    build = functools.partial(build_app, opening, limits=limits, served_model_name=served_model_name,
+                              allowed_origins=parse_origins(allowed_origins))
     checked = checked_plan(tp, ep, backend, model_dir, dtype, device) if max(tp, ep) > 1 else None
     if replicas is not None:
         return _serve_replicas(opening, build, checked, limits, host, port, log_level, replicas, threads_per_replica,
@@ -129,7 +135,7 @@ def serve_command(model_dir, backend, mode, device, dtype, max_batch, host, port
     serve_on_ranks(checked, opening, run_server)
 
 
-def build_app(opening: dict, *, limits, served_model_name, parallel=None, leader=None):
+def build_app(opening: dict, *, limits, served_model_name, allowed_origins=(), parallel=None, leader=None):
     """The server's app over the backend that `opening` (open_backend's options) names: what `dlmrt serve`
     runs, and what each of its replicas builds (in its own process) under --replicas. On rank 0 of a split
     model, `parallel` is its (ParallelPlan, Ranks), and `leader` its link to the ranks that follow its batches."""
@@ -139,7 +145,8 @@ def build_app(opening: dict, *, limits, served_model_name, parallel=None, leader
 
     model, built = open_served(opening, parallel)
     return create_app(model, built, limits, served_model_name,
-                      chat_template=load_chat_template(opening["model_dir"] or TINY_MODEL_DIR), leader=leader)
+                      chat_template=load_chat_template(opening["model_dir"] or TINY_MODEL_DIR), leader=leader,
+                      allowed_origins=allowed_origins)
 
 
 def open_served(opening: dict, parallel):

@@ -55,7 +55,7 @@ class ChatTemplate:
 def load_chat_template(model_dir: Path) -> ChatTemplate | None:
     """The chat template in `model_dir`'s tokenizer_config.json; None when it has none."""
     path = Path(model_dir) / FILE
-    if not path.is_file():
+    if not path.exists():
         return None
     config = json_files.read(path, ArgumentError, "fix it, or remove it to serve without a chat template")
     source = _template_source(config.get("chat_template"), path)

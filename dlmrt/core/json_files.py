@@ -3,7 +3,8 @@
 It is bounded and strict, and every failure is one error of the caller's class that names the file
 and says what to do:
 
-- a file over MAX_BYTES is refused before it is read (configs and manifests are kilobytes);
+- a file is read by `dlmrt.core.file_reads`: a regular file only, of at most limits.MAX_CONFIG_BYTES
+  (configs and manifests are kilobytes);
 - the bytes must be UTF-8 and the text standard JSON: `NaN` and `Infinity`, which Python's parser
   takes, are refused, as are integers of more digits than Python converts;
 - nesting deeper than MAX_DEPTH is refused, and so is a parse that runs out of stack.
@@ -17,9 +18,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from dlmrt.core import file_reads, limits
 from dlmrt.core.errors import DlmrtError
 
-MAX_BYTES = 16 * 2**20
 MAX_DEPTH = 32
 
 
@@ -47,16 +48,7 @@ def parse(text: str, source: str, error: type[DlmrtError], hint: str = "") -> An
 def read(path: Path, error: type[DlmrtError], hint: str = "", *, require_object: bool = True) -> Any:
     """The JSON value of the file at `path` (an object, unless `require_object` is false)."""
     suffix = f": {hint}" if hint else ""
-    try:
-        size = path.stat().st_size
-        if size > MAX_BYTES:
-            raise error(f"{path} is {size / 2**20:.0f} MiB, too large for a dlmrt JSON file (at most "
-                        f"{MAX_BYTES // 2**20} MiB){suffix}")
-        text = path.read_bytes().decode("utf-8")
-    except UnicodeDecodeError as problem:
-        raise error(f"{path} is not UTF-8 text (byte {problem.start}){suffix}") from None
-    except OSError as problem:
-        raise error(f"{path} cannot be read ({problem.strerror or problem}){suffix}") from None
+    text = file_reads.read_text(path, error, most=limits.MAX_CONFIG_BYTES, what="JSON", too_large=hint, hint=hint)
     value = parse(text, str(path), error, hint)
     if require_object and not isinstance(value, dict):
         raise error(f"{path} must hold a JSON object, not {_json_kind(value)}{suffix}")

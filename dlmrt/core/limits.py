@@ -4,6 +4,7 @@ Sizes that drive a loop or an allocation (layers, experts, widths, vocabulary, p
 by the MAX_ constants, far above any released model: a config beyond them is refused before a
 module is built. Memory is estimated from the config (and the request, for the step loop's buffers)
 and refused when it exceeds this machine's memory, or DLMRT_MEMORY_LIMIT_GIB where that is set.
+A file dlmrt is given is bounded by its kind (the MAX_..._BYTES below, checked by `dlmrt.core.file_reads`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,12 @@ GiB = 2**30
 # a row's seed is int64, and row i of a batch uses seed + i.
 FLOAT32_MAX = 3.4028234663852886e38
 MAX_SEED = 2**62
+# Files, by kind. Configs, manifests, suites and baselines are kilobytes; eval data, prompts files and
+# tokenizers (Gemma's tokenizer.json is 33 MB) are read whole and split into lines or parsed; one weights
+# file (a safetensors shard, an ONNX graph's data, an engine) is mapped or streamed by its library.
+MAX_CONFIG_BYTES = 16 * 2**20
+MAX_DATA_BYTES = 256 * 2**20
+MAX_WEIGHTS_BYTES = 2**40
 # The most alternatives a committed token's log-probability comes with (OpenAI's cap on top_logprobs)
 MAX_TOP_LOGPROBS = 20
 

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dlmrt.core import atomic, json_files
+from dlmrt.core import atomic, file_reads, json_files, limits
 from dlmrt.core.errors import ArgumentError
 from dlmrt.export.models import Denoiser
 from dlmrt.runtime import GenerationMetrics, GenerationSettings, Generator, Policy, make_policy, text
@@ -149,10 +149,8 @@ def load_jsonl(path: str | Path) -> list[Example]:
     """Examples from a JSONL file of `{"prompt": ..., "answer": ..., "task": ...}` objects ("task" is
     optional, default "jsonl"); blank lines are skipped."""
     path = Path(path)
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as error:
-        raise ArgumentError(f"cannot read the examples file {path}: {error}") from None
+    lines = file_reads.read_text(path, ArgumentError, most=limits.MAX_DATA_BYTES, what="eval data",
+                                 too_large="split it, and evaluate the parts in turn").splitlines()
     examples = [_example(path, number, line) for number, line in enumerate(lines, start=1) if line.strip()]
     if not examples:
         raise ArgumentError(f"{path} holds no examples: write one JSON object per line, "

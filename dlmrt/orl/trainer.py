@@ -32,7 +32,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
-from dlmrt.core import hashing, json_files, tasks
+from dlmrt.core import file_reads, hashing, json_files, limits, tasks
 from dlmrt.core.errors import ArgumentError, CheckpointError
 from dlmrt.eval.evaluation import parse_setting
 from dlmrt.export import checkpoint, models
@@ -325,7 +325,8 @@ def _read_state(out: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
         raise CheckpointError(f"{json_path}: not a training state of format {STATE_FORMAT}; start a new run")
     try:
-        tensors = load_tensors(tensor_path.read_bytes())
+        tensors = load_tensors(file_reads.read_bytes(tensor_path, CheckpointError, most=limits.MAX_WEIGHTS_BYTES,
+                                                     what="a training state"))
     except (SafetensorError, OSError) as error:
         raise CheckpointError(f"{tensor_path}: not a valid safetensors file, it may be truncated or corrupt "
                               f"({error}); start a new run") from None

@@ -14,6 +14,10 @@ the text that may begin a stop string until the next block shows it does not.
 With `stream_provisional`, a stream also carries the block's provisional tokens at every K-step
 boundary, in a `dlmrt` extension object of otherwise empty chunks (`dlmrt.serve.provisional`).
 
+A POST's body must have a JSON content type (415 otherwise: `dlmrt.serve.schema.require_json`), and
+no web page of another origin may call the API from a browser unless its origin is allowed
+(`dlmrt.serve.cors`).
+
 Requests are decoded by continuous batching (`dlmrt.runtime.scheduler`): a request joins the running
 batch at the next block boundary and leaves it at the boundary after it ends, so it never waits for
 a whole batch; its tokens are those it would get alone. Chat renders the messages with the model's
@@ -51,7 +55,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from dlmrt.serve.schema import (ApiError, ChatRequest, CompletionRequest, OpenAIRequest, chat_choice, chat_delta,
-                                completion_choice, parse_request, reply_header, usage)
+                                completion_choice, parse_request, reply_header, require_json, usage)
 from dlmrt.core.chat_template import ChatTemplate
 from dlmrt.core.errors import DlmrtError
 from dlmrt.runtime import text
@@ -59,6 +63,7 @@ from dlmrt.runtime.backend import Backend
 from dlmrt.runtime.running_batch import BlockProgress, open_batch
 from dlmrt.runtime.scheduler import Failed, Finished, QueueFull, Scheduler, ShuttingDown
 from dlmrt.runtime.scoring import Scorer
+from dlmrt.serve.cors import Cors
 from dlmrt.serve.logprobs import CompletionLogprobs, chat_logprobs
 from dlmrt.serve.metrics import ServerMetrics
 from dlmrt.serve.provisional import Provisional, ProvisionalView
@@ -156,9 +161,11 @@ def _failure(error: BaseException) -> ApiError:
 
 
 def create_app(model, backend: Backend, server_limits: ServerLimits = ServerLimits(), model_name: str | None = None,
-               chat_template: ChatTemplate | None = None, leader: Leader | None = None) -> FastAPI:
+               chat_template: ChatTemplate | None = None, leader: Leader | None = None,
+               allowed_origins: tuple[str, ...] = ()) -> FastAPI:
     """The API over `backend`; `model` encodes and decodes text and gives the defaults. `leader`: on rank 0
-    of a tensor-parallel model, its link to the other ranks, which replay its batches and stop with it."""
+    of a tensor-parallel model, its link to the other ranks, which replay its batches and stop with it.
+    `allowed_origins`: the web origins whose pages may call it from a browser (`dlmrt.serve.cors`)."""
     name = model_name or model.name
     scheduler = Scheduler(backend, server_limits.max_queue,
                           open_batch=open_batch if leader is None else leader.open_batch)
@@ -214,6 +221,8 @@ def create_app(model, backend: Backend, server_limits: ServerLimits = ServerLimi
 
     app.add_middleware(BodyLimit, max_bytes=server_limits.max_body_bytes, timeout_s=server_limits.body_timeout_s,
                        refused=lambda code: metrics.rejected.labels(code).inc())
+    if allowed_origins:  # outside the body's limit, so that a page of an allowed origin can read its 413 too
+        app.add_middleware(Cors, origins=allowed_origins)
 
     @app.get("/health")
     async def health():
@@ -249,6 +258,7 @@ def create_app(model, backend: Backend, server_limits: ServerLimits = ServerLimi
         return _prepare(model, backend, request, prompt, most)
 
     async def received(http: Request, kind: type[OpenAIRequest]) -> OpenAIRequest:
+        require_json(http.headers.get("content-type"))
         return await run_in_threadpool(parsed, kind, await http.body())
 
     async def start(request: OpenAIRequest) -> tuple[_Decoding, list[int]]:

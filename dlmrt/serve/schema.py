@@ -16,7 +16,14 @@ dlmrt's own streaming field, `stream_provisional`, is top-level beside the knobs
 
 Types are JSON's as OpenAI documents them, strictly (pydantic's strict mode): a string is never taken
 for a number or a boolean (`"max_tokens": "16"` is a 400), while a JSON integer is a number where a
-float is asked for (`"temperature": 1`). The body is JSON whatever its content type says.
+float is asked for (`"temperature": 1`).
+
+The body must say it is JSON: `Content-Type: application/json` (any parameters, as a charset, are taken
+and ignored: JSON is UTF-8) or a `+json` type of RFC 6839 (`application/merge-patch+json`), as FastAPI
+takes them. Any other type, and a body without one, is a 415 (`require_json`). A browser sends a
+"simple" cross-site request (`text/plain`, a form, or a body with no type) without asking the server
+first, so taking such bodies as JSON would let any web page send completions to a server on
+localhost; FastAPI refuses a missing type for the same reason, and OpenAI's clients always send it.
 """
 
 from __future__ import annotations
@@ -269,6 +276,21 @@ def chat_delta(text: str | None, reason: str | None, first: bool, logprobs: dict
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
+
+
+JSON_TYPE = "application/json"
+
+
+def require_json(content_type: str | None) -> None:
+    """A 415 unless `content_type` (the request's header) says the body is JSON."""
+    media_type = (content_type or "").partition(";")[0].strip().lower()
+    top, _, sub = media_type.partition("/")
+    if media_type == JSON_TYPE or (top == "application" and sub.endswith("+json")):
+        return
+    given = f"Content-Type {content_type.strip()[:100]!r}" if content_type and content_type.strip() \
+        else "no Content-Type"
+    raise ApiError(415, f"the body is JSON, so the request needs Content-Type: {JSON_TYPE}, and it has {given} "
+                        f"(with curl: -H 'Content-Type: {JSON_TYPE}')", code="unsupported_media_type")
 
 
 def parse_request(kind: type[OpenAIRequest], body: bytes) -> OpenAIRequest:

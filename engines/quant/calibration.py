@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dlmrt.core import json_files
+from dlmrt.core import file_reads, json_files, limits
 from dlmrt.core.errors import DlmrtError
 from dlmrt.runtime.settings import GenerationSettings
 
@@ -45,10 +45,9 @@ def load_prompts(path: str | Path) -> list[str]:
     """Prompts from a file: `.jsonl` (one `{"prompt": ...}` object a line) or text (one prompt a
     line); blank lines are skipped."""
     path = Path(path)
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as error:
-        raise CalibrationError(f"cannot read the calibration prompts file {path}: {error}") from None
+    lines = file_reads.read_text(path, CalibrationError, most=limits.MAX_DATA_BYTES, what="calibration prompts",
+                                 too_large="calibration records --calibration-samples inputs (32 by default): keep "
+                                           "fewer prompts").splitlines()
     numbered = [(number, line) for number, line in enumerate(lines, start=1) if line.strip()]
     if path.suffix == ".jsonl":
         prompts = [_jsonl_prompt(path, number, line) for number, line in numbered]

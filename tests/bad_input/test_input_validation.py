@@ -11,7 +11,7 @@ import time
 import pytest
 
 import dlmrt
-from dlmrt.core import json_files, limits
+from dlmrt.core import limits
 from dlmrt.core.errors import CheckpointError, DlmrtError, ResourceError
 from dlmrt.export import checkpoint, models
 from helpers import LLADA, LLADA2, TOKENS, config, random_model
@@ -61,8 +61,9 @@ def test_not_utf8_and_too_large(model_dir, monkeypatch):
     with pytest.raises(CheckpointError, match=r"config.json is not UTF-8 text \(byte 18\)"):
         dlmrt.load(model_dir)
     write_config(model_dir, json.dumps(LLADA))
-    monkeypatch.setattr(json_files, "MAX_BYTES", 100)
-    with pytest.raises(CheckpointError, match="too large for a dlmrt JSON file"):
+    monkeypatch.setattr(limits, "MAX_CONFIG_BYTES", 100)
+    with pytest.raises(CheckpointError, match=r"config.json is \d+ bytes, more than dlmrt reads as JSON \(at most "
+                                              r"100 bytes\)"):
         dlmrt.load(model_dir)
 
 
@@ -308,12 +309,13 @@ def test_inspect_reports_every_broken_entry_of_a_store(tiny_export, tmp_path):
     manifest = entries["fp16"] / "manifest.json"
     manifest.unlink()
     manifest.mkdir()  # a directory where the manifest belongs
-    result = CliRunner().invoke(main, ["inspect", str(store.root)])
+    result = CliRunner().invoke(main, ["inspect", str(store.root)], env={"COLUMNS": "20"})
     assert result.exit_code == 1, result.output
-    for problem in ("sm_100-bf16 leads out of the store", "sm_120-bf16 is a link to nothing",
-                    "sm_90-fp16 has no manifest.json file"):
-        assert problem in result.output.replace("\n", ""), result.output
-    assert "sm_90-bf16" in result.output  # the sound entry is still shown
+    lines = result.output.splitlines()
+    for entry, problem in (("sm_100-bf16", "leads out of the store"), ("sm_120-bf16", "is a link to nothing"),
+                           ("sm_90-fp16", "has no manifest.json file")):  # each one line, however narrow the terminal
+        assert any(line.startswith(f"{model_dir / entry} {problem}") for line in lines), result.output
+    assert "sm_90-bf16" in "".join(result.output.split())  # the sound entry is still shown (in a folded table)
     assert store.entries() == [entries["bf16"]]  # and is the only one selection can take
 
 

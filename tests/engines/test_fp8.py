@@ -90,7 +90,7 @@ def test_calibration_options_are_checked(tiny_export, tmp_path):
         calibration_feeds(tiny_export, "full_guided")
     with pytest.raises(CalibrationError, match="count must be positive"):
         calibration_feeds(tiny_export, count=0)
-    with pytest.raises(CalibrationError, match="cannot read the calibration prompts file"):
+    with pytest.raises(CalibrationError, match=r"missing.txt cannot be read \(No such file or directory\)"):
         calibration_feeds(tiny_export, prompts=tmp_path / "missing.txt")
 
 

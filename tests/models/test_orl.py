@@ -374,31 +374,42 @@ def test_the_comparison_plot_is_a_png(tmp_path):
     (["--tasks", "psum"], "task 'psum' answers in up to 31 tokens"),
 ])
 def test_the_script_prints_one_line_for_bad_input(tmp_path, options, message):
+    import os
     import subprocess
     import sys
 
     script = Path(__file__).parents[2] / "scripts" / "train_orl.py"
     result = subprocess.run([sys.executable, str(script), "--base", str(dlmrt.TINY_MODEL_DIR), "--out",
-                             str(tmp_path / "out"), *options], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2 and message in result.stdout
-    assert "Traceback" not in result.stdout + result.stderr and not (tmp_path / "out").exists()
+                             str(tmp_path / "out"), *options], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "COLUMNS": "20"})
+    assert result.returncode == 2 and "Traceback" not in result.stdout + result.stderr
+    (line,) = result.stdout.splitlines()
+    assert line.startswith("error: ") and message in line and not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("options, message", [
     (["--model", "base"], "--model takes NAME=DIR"),
-    (["--model", f"base={dlmrt.TINY_MODEL_DIR}", "--tasks", "psum"], "task 'psum' answers in up to 31 tokens"),
-    (["--model", f"base={dlmrt.TINY_MODEL_DIR}", "--tasks", "psum", "--gen-length", "32", "--block-length", "32"],
-     "more than the model's context of 64"),
-    (["--model", f"base={dlmrt.TINY_MODEL_DIR}", "--setting", "greedy"], "unknown policy 'greedy'"),
+    (["--model", "base={model}", "--tasks", "psum"], "task 'psum' answers in up to 31 tokens"),
+    (["--model", "base={model}", "--tasks", "psum", "--gen-length", "32", "--block-length", "32"],
+     "more than the model's context of 64: use a model with a longer context"),
+    (["--model", "base={model}", "--setting", "greedy"], "unknown policy 'greedy'"),
 ])
-def test_the_curves_script_prints_one_line_for_bad_input(options, message):
+def test_the_curves_script_prints_one_line_for_bad_input(tmp_path, options, message):
+    """One line, whatever the terminal's width and however long the model's path: it was wrapped at the
+    width, so the test failed in a checkout at another path ("context of\n64")."""
+    import os
     import subprocess
     import sys
 
+    model = tmp_path / ("long-" * 30) / "tiny-llada"
+    model.parent.mkdir()
+    model.symlink_to(dlmrt.TINY_MODEL_DIR)
     script = Path(__file__).parents[2] / "scripts" / "orl_curves.py"
-    result = subprocess.run([sys.executable, str(script), *options], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2 and message in result.stdout.replace("\n", " ")
-    assert "Traceback" not in result.stdout + result.stderr
+    result = subprocess.run([sys.executable, str(script), *(option.format(model=model) for option in options)],
+                            capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "20"})
+    assert result.returncode == 2 and "Traceback" not in result.stdout + result.stderr
+    (line,) = result.stdout.splitlines()
+    assert line.startswith("error: ") and message in line
 
 
 @pytest.mark.parametrize("output, right", [("bbb", True), ("aaa", True), ("ccc", True), ("abc", False),

@@ -162,7 +162,8 @@ def test_a_half_sent_body_gets_408_and_the_connection_closes(live, model):
     ("POST", "/v1/completions", b'["model"]', 400, "model_type"),
 ], ids=["unknown route", "wrong method", "nested 100,000 deep", "not UTF-8", "cut short", "not an object"])
 def test_framework_errors_are_openai_shaped(live, method, path, body, status, code):
-    response = httpx.request(method, f"{live.url}{path}", content=body, timeout=10)
+    headers = {"content-type": "application/json"} if method == "POST" else {}
+    response = httpx.request(method, f"{live.url}{path}", content=body, headers=headers, timeout=10)
     assert response.status_code == status and openai_error(response.json(), code)
     if status == 405:
         assert response.headers["allow"] == "POST"
