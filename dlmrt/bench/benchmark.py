@@ -79,18 +79,14 @@ def percentile(values: Sequence[float], q: float) -> float:
 def environment() -> dict:
     """What a figure was measured on: CPU, threads, library versions, GPU and driver."""
     import platform
-    from pathlib import Path
 
     import torch
 
-    cpu, flags = platform.processor() or platform.machine(), set()
-    info = Path("/proc/cpuinfo")
-    if info.is_file():
-        lines = info.read_text().splitlines()
-        names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
-        cpu = names[0] if names else cpu
-        flags = next((set(line.split(":", 1)[1].split()) for line in lines if line.startswith("flags")), set())
-    found = {"cpu": cpu, "avx2": "avx2" in flags, "avx512f": "avx512f" in flags, "threads": torch.get_num_threads(),
+    from dlmrt.bench.machine import cpu_info, machine_class
+
+    info = cpu_info()
+    found = {"cpu": info.model, "machine_class": machine_class(info), "avx2": "avx2" in info.flags,
+             "avx512f": "avx512f" in info.flags, "threads": torch.get_num_threads(),
              "python": platform.python_version(), "torch": torch.__version__}
     for name in ("onnxruntime", "triton", "tensorrt"):
         try:

@@ -1,4 +1,4 @@
-"""Benchmark suites, their baselines, and the regression gate of `dlmrt bench --suite`.
+"""Benchmark suites of `dlmrt bench --suite`, and the history and plot of their runs.
 
 A suite is a TOML file of named scenarios (benchmarks/ci.toml is dlmrt's own):
 
@@ -10,18 +10,7 @@ A suite is a TOML file of named scenarios (benchmarks/ci.toml is dlmrt's own):
     batch_size = 4
     output_len = 32
 
-A baseline (JSON, written only by `--update-baseline`) records, per scenario and case, the counted
-figures, which must not change at all (the generated tokens' digest, NFE, TPF, each count of
-`dlmrt.bench.counted`, and the exact-match count of an `exact_match_per_task` scenario), and the
-timed ones: each case's speed ratio to the scenario's first case, the first case's speed against the
-canary (`dlmrt.bench.canary`), each the median of ratios paired round by round
-(`dlmrt.bench.paired`). The gate (`check`):
-
-- a counted figure that differs from the baseline fails;
-- a ratio fails when even the upper end of its bootstrap interval lies below the baseline's ratio
-  less the scenario's `margin` (at most and by default MAX_MARGIN, 15%); compile and ONNX Runtime
-  must hold their ratios to eager (the baseline's ratios to the first case, divided) in the same
-  rounds. A scenario whose timing fails is run again, and only a failure seen in both runs counts.
+Its baseline and the regression gate are `dlmrt.bench.gate`'s.
 """
 
 from __future__ import annotations
@@ -29,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import typing
-import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,7 +32,6 @@ SUITE_FORMAT_VERSION = 1
 # 1.62x to 1.31x with it on 2. The counted ort case keeps ONNX Runtime's default threads, what a user
 # gets, so that a session pinned to fewer still changes a count.
 GATE_THREADS = 1
-BASELINE_FORMAT_VERSION = 2  # 2: counted work, paired ratios with their intervals, the canary
 
 
 class SuiteError(DlmrtError):
@@ -137,127 +124,6 @@ def _fields(table: Any, where: str) -> dict[str, Any]:
 
 
 # -- baselines ------------------------------------------------------------------------------------
-
-def record(suite: str, results: dict[str, dict]) -> dict:
-    """A baseline from one run: `results` maps scenario name to its run (`cases`, `exact_match`,
-    `canary`)."""
-    scenarios = {}
-    for name, result in results.items():
-        cases = {}
-        for case in result["cases"]:
-            low, high = case["speedup_ci"]
-            cases[case["setting"]] = {"tokens_sha256": case["tokens_sha256"], "nfe": case["nfe"], "tpf": case["tpf"],
-                                      "work": case.get("work"), "ratio": case["speedup"], "ratio_low": low,
-                                      "ratio_high": high}
-        scenarios[name] = {"cases": cases, "exact_match": result.get("exact_match"), "canary": result.get("canary")}
-    return {"format_version": BASELINE_FORMAT_VERSION, "suite": suite, "scenarios": scenarios}
-
-
-def load_baseline(path: Path, suite: str) -> dict:
-    baseline = json_files.read(Path(path), SuiteError, "record one with --update-baseline")
-    if baseline.get("format_version") != BASELINE_FORMAT_VERSION:
-        raise SuiteError(f"{path} has format_version {baseline.get('format_version')!r}, this dlmrt reads "
-                         f"{BASELINE_FORMAT_VERSION}: record it again with --update-baseline")
-    if baseline.get("suite") != suite:
-        raise SuiteError(f"{path} is the baseline of suite {baseline.get('suite')!r}, not {suite!r}: give that "
-                         f"suite's baseline, or record one with --update-baseline")
-    if not isinstance(baseline.get("scenarios"), dict):
-        raise SuiteError(f"{path}: scenarios is missing: record it again with --update-baseline")
-    return baseline
-
-
-def save_baseline(path: Path, baseline: dict) -> None:
-    atomic.write_text(path, json.dumps(baseline, indent=2) + "\n")
-
-
-# -- the gate -------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Finding:
-    scenario: str
-    case: str
-    figure: str
-    message: str  # what was measured against what the baseline holds
-
-    def __str__(self) -> str:
-        return f"scenario {self.scenario}, {self.case}: {self.message}"
-
-
-def check(name: str, result: dict, baseline: dict, margin: float | None = None
-          ) -> tuple[list[Finding], list[Finding]]:
-    """(changed counted figures, slower timings) of one scenario's run against its baseline. Counted
-    figures (tokens, NFE, TPF, each count of work, the exact-match count) must be equal; a speed ratio is
-    slower when its interval's upper end lies below the baseline ratio less `margin` (None: MAX_MARGIN;
-    `dlmrt.bench.paired`), and the modes are checked against each other in the same rounds. The speed
-    against the canary keeps MAX_MARGIN."""
-    from dlmrt.bench.paired import COMPILE, EAGER, MAX_MARGIN, ORT, mode_findings, slower
-
-    margin = MAX_MARGIN if margin is None else margin
-
-    recorded = baseline["scenarios"].get(name)
-    if recorded is None:
-        return [Finding(name, "-", "scenario", "the scenario is not in the baseline: record it with "
-                                               "--update-baseline")], []
-    changed, slowed = [], []
-
-    def unequal(case: str, figure: str, expected, measured) -> None:
-        if expected != measured:
-            changed.append(Finding(name, case, figure, f"{figure} is {measured}, the baseline holds {expected} "
-                                                       f"(it must not change)"))
-
-    unequal("torch:eager", "exact_match", recorded.get("exact_match"), result.get("exact_match"))
-    found = {case["setting"]: case for case in result["cases"]}
-    first = result["cases"][0]["setting"]
-    for label, expected in recorded["cases"].items():
-        case = found.get(label)
-        if case is None:
-            changed.append(Finding(name, label, "case", "the case is in the baseline but did not run"))
-            continue
-        for figure in ("tokens_sha256", "nfe", "tpf"):
-            unequal(label, figure, expected[figure], case[figure])
-        for figure, count in (expected.get("work") or {}).items():
-            unequal(label, figure, count, (case.get("work") or {}).get(figure))
-        low, high = case["speedup_ci"]
-        if label != first and slower(high, expected["ratio"], margin):
-            slowed.append(Finding(name, label, "speed", (
-                f"speed vs {first} is {case['speedup']:.2f}x ({low:.2f}-{high:.2f}x), below the baseline's "
-                f"{expected['ratio']:.2f}x by more than {margin:.0%}")))
-    if recorded.get("canary") and result.get("canary"):
-        expected, measured = recorded["canary"]["median"], result["canary"]
-        # the canary holds a speed against the machine itself, which moves between machines: the widest margin
-        if slower(measured["high"], expected, MAX_MARGIN):
-            slowed.append(Finding(name, first, "speed vs canary", (
-                f"speed against the canary is {measured['median']:.2f}x ({measured['low']:.2f}-"
-                f"{measured['high']:.2f}x), below the baseline's {expected:.2f}x by more than {MAX_MARGIN:.0%}: "
-                f"code every case shares (the model, torch) slowed, and the canary did not")))
-    seconds = {case["setting"]: case["seconds_runs"] for case in result["cases"]}
-    ratios = {label: expected["ratio"] for label, expected in recorded["cases"].items()}
-
-    def recorded_vs_eager(mode: str) -> float | None:  # the baseline's ratios share their first case
-        return ratios[mode] / ratios[EAGER] if mode in ratios and EAGER in ratios else None
-
-    slowed += [Finding(name, "modes", "modes", line) for line in mode_findings(
-        seconds, recorded_vs_eager(ORT), margin, recorded_compile_vs_eager=recorded_vs_eager(COMPILE))]
-    return changed, slowed
-
-
-def write_summaries(findings: list[Finding], scenarios: list[str], markdown: Path | None, junit: Path | None) -> None:
-    """A Markdown summary for a CI page, and JUnit XML (one test case per scenario)."""
-    by_scenario = {name: [f for f in findings if f.scenario == name] for name in scenarios}
-    if markdown is not None:
-        lines = ["# dlmrt bench gate", "", "| scenario | result |", "|---|---|"]
-        lines += [f"| {name} | {'pass' if not found else '<br>'.join(map(str, found))} |"
-                  for name, found in by_scenario.items()]
-        atomic.write_text(markdown, "\n".join(lines) + "\n")
-    if junit is not None:
-        suite = ET.Element("testsuite", name="dlmrt-bench", tests=str(len(scenarios)),
-                           failures=str(sum(bool(f) for f in by_scenario.values())))
-        for name, found in by_scenario.items():
-            case = ET.SubElement(suite, "testcase", classname="dlmrt.bench", name=name)
-            for finding in found:
-                ET.SubElement(case, "failure", message=str(finding))
-        atomic.write_bytes(junit, ET.tostring(suite, encoding="utf-8", xml_declaration=True))
-
 
 def scenario_dict(scenario: Scenario) -> dict:
     return {**dataclasses.asdict(scenario), "backends": list(scenario.backends)}

@@ -24,7 +24,9 @@ from pathlib import Path
 
 import click
 
+from dlmrt.bench import gate as bench_gate
 from dlmrt.bench import suite as bench_suite
+from dlmrt.bench.machine import machine_class
 from dlmrt.core import file_reads, limits
 from dlmrt.bench.suite import Scenario
 from dlmrt.cli.errors import reports_errors
@@ -201,24 +203,25 @@ def bench_command(ctx, wide, output_json, suite, scenario_names, baseline, check
         if check and update_baseline:
             raise click.UsageError("give --check or --update-baseline, not both")
         suite_name, scenarios = bench_suite.load_suite(suite)
-        expected = bench_suite.load_baseline(baseline, suite_name) if check else None
+        expected = bench_gate.load_baseline(baseline, suite_name) if check else None
         known = {s.name for s in scenarios}
         unknown = [name for name in scenario_names if name not in known]
         if unknown:
             raise ArgumentError(f"{suite} has no scenario {unknown[0]!r} (it has: {', '.join(sorted(known))})")
         scenarios = [s for s in scenarios if not scenario_names or s.name in scenario_names]
         results = {s.name: run_scenario(s, Console(stderr=True), wide, gated=True) for s in scenarios}
-        if check:
-            try:
-                gate(suite_name, scenarios, results, expected, summary, junit, wide, started)
-            except click.ClickException as error:  # the run still goes into the history and the plot
-                failed = error
-        if update_baseline:
-            recorded = bench_suite.record(suite_name, results)
-            if scenario_names and baseline.exists():  # a subset updates its scenarios, and keeps the others
-                kept = bench_suite.load_baseline(baseline, suite_name)
-                recorded["scenarios"] = {**kept["scenarios"], **recorded["scenarios"]}
-            bench_suite.save_baseline(baseline, recorded)
+        if check:  # a failed gate's run still goes into the history and the plot
+            findings, verdict = bench_gate.run_gate(
+                suite_name, scenarios, results, expected, machine_class(),
+                lambda again: run_scenario(again, Console(stderr=True), wide, gated=True), summary, junit, started,
+                note=lambda line: click.echo(line, err=True))
+            failed = click.ClickException(verdict) if findings else None
+            if not findings:
+                click.echo(verdict, err=True)
+        if update_baseline:  # other machine classes' timings are kept, and with a subset the other scenarios
+            kept = bench_gate.load_baseline(baseline, suite_name) if baseline.exists() else None
+            recorded = bench_gate.record(suite_name, results, machine_class())
+            bench_gate.save_baseline(baseline, bench_gate.updated(kept, recorded, subset=bool(scenario_names)))
     if output_json is not None:
         write_json(output_json, suite_name, results)
     if history is not None or plot_path is not None:
@@ -258,32 +261,6 @@ def run_roofline(ctx: click.Context, options: dict, gpu_name: str, output_json: 
                         output_len=options["output_len"], block_length=options["block_length"], cache=options["cache"],
                         console=Console(width=None if sys.stdout.isatty() else WIDE_TABLE_WIDTH),
                         measured_on=measured_on, output_json=output_json)
-
-
-def gate(suite_name: str, scenarios, results: dict, expected: dict, summary, junit, wide: bool,
-         started: float) -> None:
-    """Check every scenario; a slower ratio is run again and counts only if it repeats (unless a count
-    changed, which fails the scenario anyway). Both verdicts say how long the gate took since `started`
-    (time.monotonic)."""
-    import time
-
-    from rich.console import Console
-
-    findings = []
-    for scenario in scenarios:
-        changed, slower = bench_suite.check(scenario.name, results[scenario.name], expected, scenario.margin)
-        if slower and not changed:  # a changed count fails the scenario already: no second run to confirm
-            results[scenario.name] = again = run_scenario(scenario, Console(stderr=True), wide, gated=True)
-            changed, slower_again = bench_suite.check(scenario.name, again, expected, scenario.margin)
-            repeated = {(f.case, f.figure) for f in slower}
-            slower = [f for f in slower_again if (f.case, f.figure) in repeated]
-        findings += changed + slower
-    bench_suite.write_summaries(findings, [s.name for s in scenarios], summary, junit)
-    took = f"in {time.monotonic() - started:.0f} s"
-    if findings:
-        raise click.ClickException(f"the benchmark gate failed {took}:\n  " + "\n  ".join(map(str, findings)))
-    click.echo(f"the benchmark gate passed {took}: {len(scenarios)} scenarios of suite {suite_name} match the "
-               f"baseline", err=True)
 
 
 def write_json(path: Path, suite_name: str | None, results: dict) -> None:
