@@ -4,11 +4,11 @@
 #   scripts/gpu_check.sh                                  # on a machine with an NVIDIA GPU (TensorRT optional)
 #   GPU_CHECK_ONLY=gpu-tests,backends scripts/gpu_check.sh   # a subset of the steps below, by name
 #   GPU_CHECK_SKIP=latency-compile scripts/gpu_check.sh      # all but these
-#   GPU_CHECK_BUDGET=300 scripts/gpu_check.sh                # the whole run's time limit in seconds [420]
+#   GPU_CHECK_BUDGET=300 scripts/gpu_check.sh                # the whole run's time limit in seconds [465]
 #
-# The steps, most telling first. Each has its own time limit, cut to what is left of the budget (less 15 s
-# for the table); a step that no longer fits is recorded as skipped, so the run always ends with its table.
-# On one H200 the steps before latency-compile take about 4-6 minutes; latency-compile gets what is left.
+# The steps: first those that failed on the first H200 run (docs/gpu-runs.md), then the roofline profiles, then
+# the benchmarks. Each has its own time limit, cut to what is left of the budget (less 15 s for the table); a
+# step that no longer fits is recorded as skipped, so the run always ends with its table.
 #   gpu-tests                the tests marked `gpu` or `trt` (4 xdist workers): the Triton kernels compiled
 #                            and run on the device, CUDA-graph capture of the steps, the parity matrix's
 #                            CUDA-graph column, the running batch under CUDA graphs, the NVIDIA paths of
@@ -16,21 +16,25 @@
 #                            TensorRT is installed
 #   parity-cudagraph-first   the parity tests below that failed on the first H200 run (rows stopping at EOS
 #                            and leaving the batch, LLaDA2's policy against its generate): 9 tests, one worker each
-#   latency-eager-cudagraph  scripts/bench_step_latency.py on LLaDA-8B shapes (random bf16 weights made on
-#                            the GPU): ms per step at K = 1 and a whole block against the HBM floor, and the
-#                            unmask step's Triton kernels against the torch reference
-#   nccl-tp                  scripts/tp_check.py: the tiny LLaDA and DiffusionGemma split over NCCL ranks (one per GPU,
-#                            at most 2; one GPU runs one NCCL rank and says so), tokens against one process, eager
-#                            and CUDA graphs
 #   bench-diffusion-gemma    `dlmrt bench` on the tiny DiffusionGemma's uniform-noise loop, eager vs CUDA graphs
 #   parity-cudagraph         the step loop's other parity tests (every test taking the `loop` fixture in
 #                            tests/runtime/test_generator.py, test_llada21.py, test_dream_decoding.py: about
 #                            400) under CUDA graphs at K = 1, 4 and a whole block (8 xdist workers)
+#   roofline-llada-8b        `dlmrt bench --roofline --device cuda`: each part of LLaDA-8B's step (bf16, dual cache,
+#                            prompt 512, block 32) measured by torch.profiler beside its floor, batch 1 and 8
+#   roofline-llada2.1-mini   the same for LLaDA2.1-mini's shapes (256 experts, top 8; prefix cache), batch 1 and 32
+#   bench-llada2.1-mini-b1, -b32   `dlmrt bench` on LLaDA2.1-mini's shapes under CUDA graphs: tokens/s, ms/step
+#   latency-eager-cudagraph  scripts/bench_step_latency.py on LLaDA-8B shapes (random bf16 weights made on
+#                            the GPU): ms per step at K = 1 and a whole block against the HBM floor, and the
+#                            unmask step's Triton kernels against the torch reference
+#   bench-llada-8b           `dlmrt bench` on LLaDA-8B's shapes, eager vs CUDA graphs
+#   nccl-tp                  scripts/tp_check.py: the tiny LLaDA and DiffusionGemma split over NCCL ranks (one per GPU,
+#                            at most 2; one GPU runs one NCCL rank and says so), tokens against one process, eager
+#                            and CUDA graphs
 #   export, plan             the tiny model's export, and its fp8 build plan for the running GPU (dry run);
 #                            plan, the TensorRT steps and backends' --export need export in the same run
 #   build-bf16, build-fp8, inspect, generate-trt   only where TensorRT is installed
 #   backends                 scripts/bench_backends.py: the tiny export through every backend on the GPU
-#   bench-llada-8b           `dlmrt bench` on LLaDA-8B's shapes, eager vs CUDA graphs
 #   latency-compile          bench_step_latency.py under torch.compile (slow to compile: last, on what is left)
 #
 # The test steps print each failure's traceback (--tb=short) as it happens, so that a step cut by its time
@@ -46,7 +50,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 repo=$PWD
-budget=${GPU_CHECK_BUDGET:-420}
+budget=${GPU_CHECK_BUDGET:-465}
 reserve=15  # seconds kept for the table and packing at the end
 python=${PYTHON:-python3}
 out=${OUT:-$(mktemp -d)}
@@ -214,9 +218,6 @@ pytest_on 9
 # shellcheck disable=SC2046
 step parity-cudagraph-first 90 "${pytest[@]}" $(per_test 60) --loop-modes cudagraph \
     --junitxml "$work/parity-cudagraph-first.xml" "${first_parity[@]}"
-step latency-eager-cudagraph 120 "$python" scripts/bench_step_latency.py --modes eager,cudagraph \
-    --json "$work/json/latency-eager-cudagraph.json"
-step nccl-tp 90 "$python" scripts/tp_check.py --device cuda --ranks 2 --json "$work/json/nccl-tp.json"
 step bench-diffusion-gemma 60 "$python" -m dlmrt.cli bench --model dlmrt/assets/tiny-diffusion-gemma --device cuda \
     --policy entropy_bound --backend torch:eager,torch:cudagraph --batch-size 4 --input-len 12 --output-len 32 \
     --block-length 16 --output-json "$work/json/bench-diffusion-gemma.json"
@@ -225,6 +226,24 @@ pytest_on 8
 step parity-cudagraph 180 "${pytest[@]}" $(per_test 60) --loop-modes cudagraph -k cudagraph "${not_first[@]}" \
     --junitxml "$work/parity-cudagraph.xml" tests/runtime/test_generator.py tests/runtime/test_llada21.py \
     tests/runtime/test_dream_decoding.py
+roofline_gpu=$("$python" -c "import torch; print('h100' if 'H100' in torch.cuda.get_device_name() else 'h200')" \
+               2>/dev/null || echo h200)
+step roofline-llada-8b 90 "$python" -m dlmrt.cli bench --roofline --model llada-8b --device cuda --dtype bfloat16 \
+    --batch-size 1,8 --input-len 512 --output-len 32 --gpu "$roofline_gpu" --output-json "$work/json/roofline-llada-8b.json"
+step roofline-llada2.1-mini 90 "$python" -m dlmrt.cli bench --roofline --model llada2.1-mini --device cuda \
+    --dtype bfloat16 --batch-size 1,32 --input-len 512 --output-len 32 --gpu "$roofline_gpu" \
+    --output-json "$work/json/roofline-llada2.1-mini.json"
+for batch in 1 32; do
+    step "bench-llada2.1-mini-b$batch" 60 "$python" -m dlmrt.cli bench --model llada2.1-mini --device cuda \
+        --dtype bfloat16 --backend torch:cudagraph --batch-size "$batch" --input-len 512 --output-len 32 --num-iters 3 \
+        --output-json "$work/json/bench-llada2.1-mini-b$batch.json"
+done
+step latency-eager-cudagraph 120 "$python" scripts/bench_step_latency.py --modes eager,cudagraph \
+    --json "$work/json/latency-eager-cudagraph.json"
+step bench-llada-8b 90 "$python" -m dlmrt.cli bench --model llada-8b --device cuda --dtype bfloat16 \
+    --backend torch:eager,torch:cudagraph --input-len 512 --output-len 32 --num-iters 3 \
+    --output-json "$work/json/bench-llada-8b.json"
+step nccl-tp 90 "$python" scripts/tp_check.py --device cuda --ranks 2 --json "$work/json/nccl-tp.json"
 export_dir="$work/tiny-export"
 step export 60 "$python" -m dlmrt.cli export -o "$export_dir" --max-batch 8 --max-length 64
 [ -d "$export_dir" ] && step plan 30 "$python" -m dlmrt.cli build "$export_dir" --target auto --precision fp8 --dry-run
@@ -241,14 +260,12 @@ export_option=()  # without the export step, bench_backends.py exports to a temp
 [ -d "$export_dir" ] && export_option=(--export "$export_dir")
 step backends 75 "$python" scripts/bench_backends.py "${export_option[@]}" --precisions "$precisions" \
     --json "$work/json/backends.json"
-step bench-llada-8b 90 "$python" -m dlmrt.cli bench --model llada-8b --device cuda --dtype bfloat16 \
-    --backend torch:eager,torch:cudagraph --input-len 512 --output-len 32 --num-iters 3 \
-    --output-json "$work/json/bench-llada-8b.json"
 step latency-compile 180 "$python" scripts/bench_step_latency.py --modes compile \
     --json "$work/json/latency-compile.json"
 
 # -- what comes back ----------------------------------------------------------------------------------
-for log in nccl-tp latency-eager-cudagraph backends bench-diffusion-gemma bench-llada-8b latency-compile; do
+for log in roofline-llada-8b roofline-llada2.1-mini bench-llada2.1-mini-b1 bench-llada2.1-mini-b32 \
+           latency-eager-cudagraph bench-llada-8b nccl-tp backends bench-diffusion-gemma latency-compile; do
     [ -s "$work/logs/$log.log" ] || continue  # the benchmarks' own tables, before the summary
     echo "===== $log (the end of its log)"
     grep -v -E '^  (eager|compile|cudagraph) K=' "$work/logs/$log.log" | tail -n 30
@@ -339,14 +356,26 @@ for path in sorted((work / "json").glob("*.json")):
             figures += [f"{r['kernel']} t{r['temperature']} " + (f"{r['us']:.0f}us" if "us" in r else "error")
                         for r in data.get("unmask", [])[:6] if path.stem.endswith("cudagraph")]
             key.append(f"{path.stem} ms/step: " + "; ".join(figures))
+        elif path.stem.startswith("roofline"):
+            for case in data["cases"]:
+                total = case["total"]
+                if "measured_s" not in total:
+                    key.append(f"{path.stem} batch {case['batch']}: floor {1e3 * case['floor_s']:.2f} ms, not measured")
+                    continue
+                worst = max(case["rows"], key=lambda r: r.get("measured_s", 0.0) - r["floor_s"])
+                key.append(f"{path.stem} batch {case['batch']}: {1e3 * total['measured_s']:.2f} ms measured, floor "
+                           f"{1e3 * case['floor_s']:.2f} ms ({total['measured_s'] / case['floor_s']:.2f}x); most "
+                           f"over its floor: {worst['name']} {1e3 * worst.get('measured_s', 0.0):.2f} / "
+                           f"{1e3 * worst['floor_s']:.2f} ms")
         elif path.stem == "backends":
             key.append("backends ms/step (same tokens): " + "; ".join(
                 f"{r['setting']} " + (f"{r['ms_per_step']:.2f} ({'yes' if r.get('same_tokens') else 'NO'})"
                                       if "ms_per_step" in r else "error") for r in data["cases"]))
         else:
             for scenario in data["scenarios"].values():
-                key.append(f"{path.stem} step p50 ms (same tokens): " + "; ".join(
-                    f"{r['setting']} {1e3 * r['step_p50_s']:.2f} ({r.get('same_tokens')})" for r in scenario["cases"]))
+                key.append(f"{path.stem} step p50 ms, tokens/s (same tokens): " + "; ".join(
+                    f"{r['setting']} {1e3 * r['step_p50_s']:.2f}, {r['tokens_per_s']:.0f} ({r.get('same_tokens')})"
+                    for r in scenario["cases"]))
     except Exception as error:  # noqa: BLE001
         key.append(f"{path.stem}: unread ({type(error).__name__}: {error})")
 
