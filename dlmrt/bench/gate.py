@@ -156,17 +156,18 @@ def check(name: str, result: dict, baseline: dict, machine: str, margin: float |
 
 
 def run_gate(suite_name: str, scenarios, results: dict, expected: dict, machine: str,
-             run_again: Callable[[object], dict], summary: Path | None, junit: Path | None, started: float,
-             note: Callable[[str], None]) -> tuple[list[Finding], str]:
+             run_again: Callable[[object], dict], summary: Path | None, junit: Path | None, started: float
+             ) -> tuple[list[Finding], str]:
     """Check every scenario (`results` is updated with any second run): a slower ratio is run again with
     `run_again(scenario)` and counts only if it repeats (unless a count changed, which fails the
     scenario anyway). Writes the summaries; returns the findings and the verdict, which says how long
-    the gate took since `started` (time.monotonic). `note` gets the line on a machine class the
-    baseline has no timings for."""
+    the gate took since `started` (time.monotonic), after a line on a machine class the baseline has
+    no timings for."""
+    note = ""
     if machine not in expected["timings"]:
-        note(f"the baseline has no timings for this machine class ({machine}; it has: "
+        note = (f"the baseline has no timings for this machine class ({machine}; it has: "
              f"{', '.join(sorted(expected['timings'])) or 'none'}): only counted figures and compile against "
-             f"eager are checked. Record its timings with --update-baseline on such a machine")
+             f"eager are checked. Record its timings with --update-baseline on such a machine\n")
     findings = []
     for scenario in scenarios:
         changed, slower = check(scenario.name, results[scenario.name], expected, machine, scenario.margin)
@@ -179,8 +180,8 @@ def run_gate(suite_name: str, scenarios, results: dict, expected: dict, machine:
     write_summaries(findings, [s.name for s in scenarios], summary, junit)
     took = f"in {time.monotonic() - started:.0f} s"
     if findings:
-        return findings, f"the benchmark gate failed {took} on {machine}:\n  " + "\n  ".join(map(str, findings))
-    return findings, (f"the benchmark gate passed {took} on {machine}: {len(scenarios)} scenarios of suite "
+        return findings, note + f"the benchmark gate failed {took} on {machine}:\n  " + "\n  ".join(map(str, findings))
+    return findings, note + (f"the benchmark gate passed {took} on {machine}: {len(scenarios)} scenarios of suite "
                       f"{suite_name} match the baseline")
 
 

@@ -1,8 +1,8 @@
 """The CPU a speed figure was measured on, and the class of CPUs whose speed ratios are comparable.
 
 A speed ratio between two CPU loops is not a property of the code alone: on an AVX-512 EPYC the
-eager step ran 2.10x the reference loop, and on the CI's other machine class (the same suite and
-tree) 1.44-1.49x, as torch's own kernels there closed part of the gap. So the gate keeps its timings
+eager step ran 2.10x the reference loop, and on CI's machine (the same suite and tree) 1.44-1.49x,
+with the reference 30% faster there against a fixed GEMM. So the gate keeps its timings
 per machine class: the architecture, the vendor, the vector ISA torch's kernels dispatch to, and
 whether the CPU advertises AMX.
 """

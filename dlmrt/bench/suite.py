@@ -123,8 +123,6 @@ def _fields(table: Any, where: str) -> dict[str, Any]:
     return found
 
 
-# -- baselines ------------------------------------------------------------------------------------
-
 def scenario_dict(scenario: Scenario) -> dict:
     return {**dataclasses.asdict(scenario), "backends": list(scenario.backends)}
 

@@ -213,10 +213,10 @@ def bench_command(ctx, wide, output_json, suite, scenario_names, baseline, check
         if check:  # a failed gate's run still goes into the history and the plot
             findings, verdict = bench_gate.run_gate(
                 suite_name, scenarios, results, expected, machine_class(),
-                lambda again: run_scenario(again, Console(stderr=True), wide, gated=True), summary, junit, started,
-                note=lambda line: click.echo(line, err=True))
-            failed = click.ClickException(verdict) if findings else None
-            if not findings:
+                lambda again: run_scenario(again, Console(stderr=True), wide, gated=True), summary, junit, started)
+            if findings:
+                failed = click.ClickException(verdict)
+            else:
                 click.echo(verdict, err=True)
         if update_baseline:  # other machine classes' timings are kept, and with a subset the other scenarios
             kept = bench_gate.load_baseline(baseline, suite_name) if baseline.exists() else None
