@@ -300,12 +300,19 @@ def _shards(state: Mapping[str, torch.Tensor], max_shard_bytes: int) -> list[dic
     return shards
 
 
+def _own_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` on the CPU in storage of its own: safetensors refuses tensors that share one (the state dict
+    names each of a MoE's stacked experts apart, as views of the stack)."""
+    tensor = tensor.detach().contiguous().cpu()
+    return tensor if tensor.untyped_storage().nbytes() == tensor.nbytes else tensor.clone()
+
+
 def save(model: Denoiser, path: str | os.PathLike, *, max_shard_bytes: int | None = None,
          extra_files: Mapping[str, bytes] | None = None) -> Path:
     """Write `model` as a Hugging Face directory (atomically: all of it or, on failure, none), with
     `extra_files` (name -> contents, e.g. a training state or report) written in the same step."""
     path = Path(path)
-    state = {name: t.detach().contiguous().cpu() for name, t in model.state_dict().items()}
+    state = {name: _own_tensor(t) for name, t in model.state_dict().items()}
     config = dict(model.raw_config)
     config["torch_dtype"] = str(model.dtype).removeprefix("torch.")
     if model.tokens is not None and model.tokens.mask_id is not None:

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from dlmrt.export.models import Denoiser
+from dlmrt.export.models.experts import StackedLinear
 
 # Below this many weights a linear layer runs faster on torch's default BLAS: a oneDNN call costs about
 # 10 us more before any arithmetic (docs/runtime-modules.md#onednn has the crossover).
@@ -26,8 +27,15 @@ def available(model: Denoiser) -> bool:
 
 
 def worth_packing(module: nn.Module) -> bool:
-    """A plain `nn.Linear` (not a subclass, whose forward may do more) with enough weights."""
+    """A plain `nn.Linear` (not a subclass, whose forward may do more) with enough weights, or stacked
+    experts' linears with enough weights each."""
+    if type(module) is StackedLinear:
+        return module.weight[0].numel() >= MIN_PACKED_WEIGHTS
     return type(module) is nn.Linear and module.weight.numel() >= MIN_PACKED_WEIGHTS
+
+
+def packed_twin(module: nn.Module) -> nn.Module:
+    return PackedExperts(module) if isinstance(module, StackedLinear) else PackedLinear(module)
 
 
 _LIBRARY = torch.library.Library("dlmrt", "FRAGMENT")
@@ -68,6 +76,28 @@ class PackedLinear(nn.Module):
         return torch.ops.dlmrt.onednn_linear(x, self.packed_weight, self.bias, self.out_features)
 
 
+class PackedExperts(StackedLinear):
+    """Stacked experts' linears, each expert's weight packed for oneDNN: `expert(e, x)` as a `PackedLinear`
+    of that expert would compute it (the stack itself stays, shared, for the grouped forward)."""
+
+    def __init__(self, stacked: StackedLinear):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = stacked.in_features, stacked.out_features
+        self.register_parameter("weight", stacked.weight)
+        self.pack(stacked.weight)
+
+    def pack(self, weight: Tensor) -> None:
+        self.packed_weights = [torch.ops.mkldnn._reorder_linear_weight(row) for row in weight.detach()]
+        self._packed_from = (weight, _version(weight))
+        if weight is not self.weight:
+            self.register_parameter("weight", weight)
+
+    stale = PackedLinear.stale
+
+    def expert(self, index: int, x: Tensor) -> Tensor:
+        return torch.ops.dlmrt.onednn_linear(x, self.packed_weights[index], None, self.out_features)
+
+
 def _version(tensor: Tensor) -> int | None:
     return None if tensor.is_inference() else tensor._version  # an inference tensor cannot change in place
 
@@ -84,7 +114,7 @@ class PackedModel:
             twin = self.model.get_submodule(name)
             for child_name, child in module.named_children():
                 if worth_packing(child):
-                    setattr(twin, child_name, PackedLinear(child))
+                    setattr(twin, child_name, packed_twin(child))
             self._slots += [(module, leaf, twin) for leaf in (*module._parameters, *module._buffers)]
 
     def refresh(self) -> None:
@@ -92,7 +122,7 @@ class PackedModel:
         take any other tensor the model was given since."""
         for module, leaf, twin in self._slots:
             tensor = getattr(module, leaf)
-            if isinstance(twin, PackedLinear) and leaf == "weight":
+            if isinstance(twin, (PackedLinear, PackedExperts)) and leaf == "weight":
                 if twin.stale(tensor):
                     twin.pack(tensor)
             elif getattr(twin, leaf) is not tensor:

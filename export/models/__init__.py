@@ -17,7 +17,7 @@ from torch import nn
 
 from dlmrt.core import limits
 from dlmrt.core.errors import CheckpointError, UnsupportedFeatureError
-from dlmrt.export.models import diffusion_gemma, dream, llada, llada2_moe, residual, sdar
+from dlmrt.export.models import diffusion_gemma, dream, experts, llada, llada2_moe, residual, sdar
 from dlmrt.export.models.denoiser import Denoiser, DenoiserOutput, PastKV, SpecialTokens
 from dlmrt.export.models.layers import RMSNorm
 from dlmrt.export.models.residual import Residual
@@ -143,6 +143,10 @@ def create(raw: Mapping[str, Any], *, tokens: SpecialTokens | None = None, seed:
             elif isinstance(module, diffusion_gemma.Experts):
                 module.gate_up_proj.normal_(0.0, init_std, generator=generator)
                 module.down_proj.normal_(0.0, init_std, generator=generator)
+            elif isinstance(module, experts.SwiGLUExperts):
+                for row in range(module.num_experts):  # expert by expert: the draws of one SwiGLU each
+                    for name in experts.PROJECTIONS:
+                        getattr(module, name).weight[row].normal_(0.0, init_std, generator=generator)
             elif isinstance(module, (nn.Linear, nn.Embedding, llada2_moe.Router)):
                 module.weight.normal_(0.0, init_std, generator=generator)
                 if getattr(module, "bias", None) is not None:

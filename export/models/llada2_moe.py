@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from dlmrt.core import limits
 from dlmrt.export.models import config as config_parsing
 from dlmrt.export.models.denoiser import Denoiser, SpecialTokens
+from dlmrt.export.models.experts import SwiGLUExperts, grouped_routed, grouped_runs
 from dlmrt.export.models.layers import (PreNormLayer, RMSNorm, SwiGLU, apply_rotary, attend, in_fixed_shape_graph,
                                         output_logits, with_past)
 from dlmrt.export.models.residual import ResidualConfig, build_adapter
@@ -183,8 +184,7 @@ class MoE(nn.Module):
     def __init__(self, c: LLaDA2MoeConfig):
         super().__init__()
         self.gate = Router(c)
-        self.experts = nn.ModuleList(SwiGLU(c.hidden_size, c.moe_intermediate_size)
-                                     for _ in range(c.num_experts))
+        self.experts = SwiGLUExperts(c.num_experts, c.hidden_size, c.moe_intermediate_size)
         self.shared_experts = None
         if c.num_shared_experts:
             self.shared_experts = SwiGLU(c.hidden_size, c.moe_intermediate_size * c.num_shared_experts)
@@ -192,25 +192,36 @@ class MoE(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         flat = x.reshape(-1, x.shape[-1])
         experts, weights = self.gate(flat)
+        y = self.routed(flat, experts, weights).to(x.dtype).view_as(x)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        return y
+
+    def routed(self, flat: Tensor, experts: Tensor, weights: Tensor) -> Tensor:
+        """The float32 weighted sum of the chosen experts that this module holds, `[N, H]`."""
+        if not torch.compiler.is_exporting() and grouped_runs(flat):
+            return grouped_routed(self.experts, flat, experts, weights)
+        first, count = self.experts.first, self.experts.num_experts
+        sharded = count != self.gate.weight.shape[0]  # an expert-parallel rank's slice
         routed = torch.zeros(flat.shape, dtype=torch.float32, device=flat.device)
         if in_fixed_shape_graph():
             # A graph cannot pick experts by data: every expert runs on every token, weighted by a
             # routing matrix that is zero where the token did not choose it. Experts are added in
             # the same order as below, and adding zeros changes nothing, so the sums are the same.
-            routing = torch.zeros(flat.shape[0], len(self.experts), dtype=torch.float32, device=flat.device)
+            routing = torch.zeros(flat.shape[0], self.gate.weight.shape[0], dtype=torch.float32, device=flat.device)
             routing = routing.scatter(1, experts, weights)
-            for index, expert in enumerate(self.experts):
-                routed = routed + expert(flat).float() * routing[:, index, None]
+            if sharded:
+                routing = routing[:, first:first + count]
+            for row in range(count):
+                routed = routed + self.experts.expert(row, flat).float() * routing[:, row, None]
         else:
             # Only the experts some token chose run; each sees just its tokens.
-            for expert in experts.unique().tolist():
+            held = experts[(experts >= first) & (experts < first + count)] if sharded else experts
+            for expert in held.unique().tolist():
                 token, slot = (experts == expert).nonzero(as_tuple=True)
-                out = self.experts[expert](flat[token]).float() * weights[token, slot, None]
+                out = self.experts.expert(expert - first, flat[token]).float() * weights[token, slot, None]
                 routed.index_add_(0, token, out)
-        y = routed.to(x.dtype).view_as(x)
-        if self.shared_experts is not None:
-            y = y + self.shared_experts(x)
-        return y
+        return routed
 
 
 def decoder_layer(c: LLaDA2MoeConfig, index: int) -> PreNormLayer:
