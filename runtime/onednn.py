@@ -77,8 +77,8 @@ class PackedLinear(nn.Module):
 
 
 class PackedExperts(StackedLinear):
-    """Stacked experts' linears, each expert's weight packed for oneDNN: `expert(e, x)` as a `PackedLinear`
-    of that expert would compute it (the stack itself stays, shared, for the grouped forward)."""
+    """Stacked experts' linears, each expert's weight packed for oneDNN: expert `e` as a `PackedLinear` of
+    that expert computes it (the stack itself stays, shared, for the grouped form)."""
 
     def __init__(self, stacked: StackedLinear):
         nn.Module.__init__(self)
@@ -88,14 +88,16 @@ class PackedExperts(StackedLinear):
 
     def pack(self, weight: Tensor) -> None:
         self.packed_weights = [torch.ops.mkldnn._reorder_linear_weight(row) for row in weight.detach()]
-        self._packed_from = (weight, _version(weight))
+        self._packed_from = (weight, _version(weight))  # a tuple: a Parameter attribute would register
         if weight is not self.weight:
             self.register_parameter("weight", weight)
 
     stale = PackedLinear.stale
 
-    def expert(self, index: int, x: Tensor) -> Tensor:
-        return torch.ops.dlmrt.onednn_linear(x, self.packed_weights[index], None, self.out_features)
+    def forward(self, x: Tensor, expert: int | None = None, offsets: Tensor | None = None) -> Tensor:
+        if offsets is not None:
+            return super().forward(x, offsets=offsets)
+        return torch.ops.dlmrt.onednn_linear(x, self.packed_weights[expert], None, self.out_features)
 
 
 def _version(tensor: Tensor) -> int | None:

@@ -7,16 +7,18 @@ The router stays replicated: every rank routes every token over the full expert 
 is identical everywhere. Rank r owns experts [r * E/R, (r + 1) * E/R) of each MoE layer and computes
 the weighted sum of its experts over the tokens that chose them (eager: only the local experts some
 token chose, on just those tokens; in a fixed-shape graph (`in_fixed_shape_graph()`): every local
-expert on every token, weighted by the local columns of the routing matrix). One `ranks.all_reduce`
+expert on every token, weighted by the local columns of the routing matrix; LLaDA2 where the grouped
+GEMM runs (`dlmrt.export.models.experts`): the pairs routed to local experts, grouped by expert, the
+others masked). One `ranks.all_reduce`
 (sum) of that partial output then gives every rank the full routed output. Tokens are not
 dispatched: each rank holds all of them (the activations are replicated, as under TP).
 
-The sharded modules replace the originals in place: LLaDA2's `MoE` becomes `ExpertParallelMoE`
-(experts under their global indices, `experts["5"]`, so a rank's state-dict names are the full
-model's), DiffusionGemma's `Experts` becomes `ExpertParallelExperts` (stacks of E/R rows, copied:
-the full stacks are freed). Both keep `start`, `stop` (this rank's experts), `num_experts` (E) and
-`ranks`. In a fixed-shape graph each rank runs E/R experts on every token (the single-process graph
-runs E).
+The sharded modules replace the originals in place, each holding stacks of E/R rows, copied (the
+full stacks are freed): LLaDA2's `MoE` becomes `ExpertParallelMoE` (its state dict names each expert
+by its global index, `experts.5.gate_proj.weight`, so a rank's names are the full model's),
+DiffusionGemma's `Experts` becomes `ExpertParallelExperts`. Both keep `start`, `stop` (this rank's
+experts), `num_experts` (E) and `ranks`. In a fixed-shape graph each rank runs E/R experts on every
+token (the single-process graph runs E).
 
 Collectives, per forward of N = batch x length tokens through a model with L MoE layers and hidden
 size H, activations of `b` bytes per value (4 for float32, 2 for bfloat16):
@@ -59,6 +61,7 @@ from torch import Tensor, nn
 
 from dlmrt.core.errors import ArgumentError
 from dlmrt.export.models import diffusion_gemma, llada2_moe
+from dlmrt.export.models.experts import PROJECTIONS, SwiGLUExperts
 from dlmrt.export.models.layers import in_fixed_shape_graph
 from dlmrt.parallel.ranks import Ranks
 
@@ -70,7 +73,7 @@ def _moe_modules(model: nn.Module) -> Iterator[tuple[nn.Module, str, nn.Module, 
             if isinstance(child, (ExpertParallelMoE, ExpertParallelExperts)):
                 raise ArgumentError("the model's experts are already sharded (shard_experts was called twice)")
             if isinstance(child, llada2_moe.MoE):
-                yield parent, name, child, len(child.experts)
+                yield parent, name, child, child.experts.num_experts
             elif isinstance(child, diffusion_gemma.Experts):
                 yield parent, name, child, child.gate_up_proj.shape[0]
 
@@ -114,15 +117,21 @@ def shard_experts(model: nn.Module, ranks: Ranks) -> nn.Module:
 
 
 class ExpertParallelMoE(llada2_moe.MoE):
-    """LLaDA2's MoE holding experts [start, stop) of `num_experts`, under their global indices
-    (`experts["5"]`, so that a rank's state-dict names are the full model's); its output is the
-    all-reduced sum of the ranks' partial outputs."""
+    """LLaDA2's MoE holding experts [start, stop) of `num_experts`: stacks of E/R rows, copied (the full
+    stacks are freed), whose state dict names each expert by its global index (`experts.5.gate_proj.weight`),
+    as the full model's does; its output is the all-reduced sum of the ranks' partial outputs."""
 
     def __init__(self, moe: llada2_moe.MoE, ranks: Ranks, part: slice):
         nn.Module.__init__(self)
         self.gate = moe.gate
-        self.num_experts, self.start, self.stop = len(moe.experts), part.start, part.stop
-        self.experts = nn.ModuleDict({str(index): moe.experts[index] for index in range(part.start, part.stop)})
+        full = moe.experts
+        self.num_experts, self.start, self.stop = full.num_experts, part.start, part.stop
+        self.experts = SwiGLUExperts(part.stop - part.start, full.gate_proj.in_features, full.gate_proj.out_features,
+                                     first=part.start)
+        for name in PROJECTIONS:
+            weight = getattr(full, name).weight
+            getattr(self.experts, name).weight = nn.Parameter(weight.detach()[part].clone(),
+                                                              requires_grad=weight.requires_grad)
         self.shared_experts = moe.shared_experts
         self.shared_is_partial = False  # see the module docstring: TP sets it
         self.ranks = ranks
@@ -130,21 +139,7 @@ class ExpertParallelMoE(llada2_moe.MoE):
     def forward(self, x: Tensor) -> Tensor:
         flat = x.reshape(-1, x.shape[-1])
         experts, weights = self.gate(flat)
-        routed = torch.zeros(flat.shape, dtype=torch.float32, device=flat.device)
-        if in_fixed_shape_graph():
-            # Every local expert on every token, weighted by this rank's columns of the routing matrix.
-            routing = torch.zeros(flat.shape[0], self.num_experts, dtype=torch.float32, device=flat.device)
-            routing = routing.scatter(1, experts, weights)[:, self.start:self.stop]
-            for column, expert in enumerate(self.experts.values()):
-                routed = routed + expert(flat).float() * routing[:, column, None]
-        else:
-            # Only the local experts some token chose, each on just its tokens.
-            local = (experts >= self.start) & (experts < self.stop)
-            for expert in experts[local].unique().tolist():
-                token, slot = (experts == expert).nonzero(as_tuple=True)
-                out = self.experts[str(expert)](flat[token]).float() * weights[token, slot, None]
-                routed.index_add_(0, token, out)
-        y = routed.to(x.dtype).view_as(x)
+        y = self.routed(flat, experts, weights).to(x.dtype).view_as(x)
         if self.shared_experts is not None and (self.shared_is_partial or self.ranks.rank == 0):
             y = y + self.shared_experts(x)
         return self.ranks.all_reduce(y)

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from dlmrt.core.errors import ArgumentError
 from dlmrt.export.models import Denoiser
 from dlmrt.export.models import diffusion_gemma, layers, llada, llada2_moe, qwen
+from dlmrt.export.models.experts import SwiGLUExperts
 from dlmrt.parallel.experts import ExpertParallelExperts, ExpertParallelMoE
 from dlmrt.parallel.ranks import Ranks
 
@@ -153,7 +154,7 @@ def _mlp_widths(model: Denoiser, split_experts: bool) -> list[tuple[str, int]]:
     for name, module in model.named_modules():
         if not split_experts and (id(module) in inside or isinstance(module, diffusion_gemma.Experts)):
             continue
-        if isinstance(module, layers.SwiGLU):
+        if isinstance(module, (layers.SwiGLU, SwiGLUExperts)):
             widths.append((name, module.gate_proj.out_features))
         elif isinstance(module, diffusion_gemma.Experts):
             widths.append((f"{name}.down_proj", module.down_proj.shape[-1]))
@@ -257,8 +258,15 @@ def _split_attention(attention: llada2_moe.Attention | qwen.Attention | diffusio
 
 
 def _split_moe(moe: llada2_moe.MoE, ranks: Ranks) -> None:
-    for expert in moe.experts:
-        _split_swiglu(expert, ranks, reduce=False)
+    """Each routed expert cut like an MLP (gate and up by output rows, down by input columns), as are the
+    shared experts, with no collective of their own."""
+    width = ranks.shard(moe.experts.gate_proj.out_features)
+    for name, rows in (("gate_proj", (slice(None), width)), ("up_proj", (slice(None), width)),
+                       ("down_proj", (slice(None), slice(None), width))):
+        stacked = getattr(moe.experts, name)
+        stacked.weight = nn.Parameter(stacked.weight.detach()[rows].clone(), requires_grad=False)
+    moe.experts.gate_proj.out_features = moe.experts.up_proj.out_features = width.stop - width.start
+    moe.experts.down_proj.in_features = width.stop - width.start
     if moe.shared_experts is not None:
         _split_swiglu(moe.shared_experts, ranks, reduce=False)
 

@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dlmrt.core.errors import DlmrtError
+from dlmrt.export.models.experts import StackedLinear
 
 if TYPE_CHECKING:
     from dlmrt.export.models import Denoiser
@@ -166,37 +167,82 @@ class NVFP4Linear(nn.Module):
         return F.linear(fake_quantize(x, self.input_global_scale), self.weight, self.bias)
 
 
-def quantizable_linears(model: Denoiser) -> dict[str, nn.Linear]:
+class NVFP4Experts(StackedLinear):
+    """Stacked experts' linears, each expert as an `NVFP4Linear` of its own computes it (its weight row
+    fake-quantized with its own global scale, its inputs with its own calibrated one)."""
+
+    def __init__(self, stacked: StackedLinear, input_amax: list[float | None]):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = stacked.in_features, stacked.out_features
+        weight = torch.stack([fake_quantize(row) for row in stacked.weight.detach()])
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.input_global_scales = [None if amax is None else global_scale_from_amax(amax) for amax in input_amax]
+
+    def forward(self, x: Tensor, expert: int | None = None, offsets: Tensor | None = None) -> Tensor:
+        if offsets is None:
+            return F.linear(fake_quantize(x, self.input_global_scales[expert]), self.weight[expert])
+        out = x.new_zeros(x.shape[0], self.out_features)  # rows past the last offset belong to no expert here
+        for index, rows in _expert_rows(offsets):
+            out[rows] = F.linear(fake_quantize(x[rows], self.input_global_scales[index]), self.weight[index])
+        return out
+
+
+def _expert_rows(offsets: Tensor) -> list[tuple[int, slice]]:
+    """Each expert with rows, and its rows, from the grouped form's end offsets (a host read: a simulation)."""
+    ends = offsets.tolist()
+    return [(index, slice(start, end)) for index, (start, end) in enumerate(zip([0, *ends[:-1]], ends))
+            if end > start]
+
+
+def quantizable_linears(model: Denoiser) -> dict[str, nn.Linear | StackedLinear]:
     """The Linears NVFP4 quantizes, by name in `model`: those inside the transformer blocks whose
-    input width is a multiple of 16."""
+    input width is a multiple of 16 (a MoE's stacked experts' linears among them)."""
     inside = {id(m) for block in model.blocks() for m in block.modules()}
     return {name: m for name, m in model.named_modules()
-            if id(m) in inside and isinstance(m, nn.Linear) and m.in_features % BLOCK_SIZE == 0}
+            if id(m) in inside and isinstance(m, (nn.Linear, StackedLinear)) and m.in_features % BLOCK_SIZE == 0}
 
 
 def calibrate(model: Denoiser, calibration_inputs: Iterable[Tensor | Mapping]) -> dict[str, float]:
     """The largest |input| of each quantizable Linear over the calibration inputs (token ids
-    `[B, T]` for `model(ids)`, or keyword arguments for `model.denoise`)."""
+    `[B, T]` for `model(ids)`, or keyword arguments for `model.denoise`); a stacked expert's under
+    `NAME.EXPERT` (`...experts.gate_proj.5`)."""
     amax: dict[str, float] = {}
 
+    def seen(key: str, x: Tensor) -> None:
+        amax[key] = max(amax.get(key, 0.0), float(x.detach().abs().amax()))
+
     def record(name: str):
-        def hook(module, args):
-            amax[name] = max(amax.get(name, 0.0), float(args[0].detach().abs().amax()))
+        def hook(module, args, kwargs):
+            x, expert, offsets = _linear_call(module, args, kwargs)
+            if not isinstance(module, StackedLinear):
+                seen(name, x)
+            elif offsets is None:
+                seen(f"{name}.{expert}", x)
+            else:
+                for index, rows in _expert_rows(offsets):
+                    seen(f"{name}.{index}", x[rows])
         return hook
 
-    handles = [m.register_forward_pre_hook(record(name)) for name, m in quantizable_linears(model).items()]
-    seen = 0
+    handles = [m.register_forward_pre_hook(record(name), with_kwargs=True)
+               for name, m in quantizable_linears(model).items()]
+    count = 0
     try:
         with torch.no_grad():
             for item in calibration_inputs:
                 model.denoise(**item) if isinstance(item, Mapping) else model(item)
-                seen += 1
+                count += 1
     finally:
         for handle in handles:
             handle.remove()
-    if not seen:
+    if not count:
         raise QuantizationError("NVFP4 calibration got no inputs: give at least one batch of token ids")
     return amax
+
+
+def _linear_call(module: nn.Module, args: tuple, kwargs: dict) -> tuple[Tensor, int | None, Tensor | None]:
+    """(input, expert, offsets) of a call of a Linear or of a StackedLinear."""
+    named = dict(zip(("x", "expert", "offsets"), args)) | kwargs
+    return named["x"], named.get("expert"), named.get("offsets")
 
 
 def simulate(model: Denoiser, calibration_inputs: Iterable[Tensor | Mapping]) -> Denoiser:
@@ -206,5 +252,9 @@ def simulate(model: Denoiser, calibration_inputs: Iterable[Tensor | Mapping]) ->
     amax = calibrate(model, calibration_inputs)
     simulated = copy.deepcopy(model)
     for name, linear in quantizable_linears(simulated).items():
-        simulated.set_submodule(name, NVFP4Linear(linear, amax.get(name)))
+        if isinstance(linear, StackedLinear):
+            quantized = NVFP4Experts(linear, [amax.get(f"{name}.{row}") for row in range(linear.weight.shape[0])])
+        else:
+            quantized = NVFP4Linear(linear, amax.get(name))
+        simulated.set_submodule(name, quantized)
     return simulated.eval()

@@ -54,8 +54,9 @@ TRT_DOMAIN = "trt"
 DYNAMIC_QUANTIZE = "TRT_FP4DynamicQuantize"
 _FLOATS = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16)
 _BLOCK_MODULE = re.compile(r"\.(blocks|layers)\.\d+\.")
-# Modules whose weight products are quantized: nn.Linear, and DiffusionGemma's stacked experts.
-_QUANTIZED_CLASSES = ("torch.nn.modules.linear.Linear", "dlmrt.export.models.diffusion_gemma.Experts")
+# Modules whose weight products are quantized: nn.Linear, and stacked experts (DiffusionGemma's, LLaDA2's).
+_QUANTIZED_CLASSES = ("torch.nn.modules.linear.Linear", "dlmrt.export.models.diffusion_gemma.Experts",
+                      "dlmrt.export.models.experts.StackedLinear")
 
 
 @dataclass

@@ -27,19 +27,20 @@ PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
 class StackedLinear(nn.Module):
-    """One bias-free linear layer per expert: `weight [experts, out, in]`."""
+    """One bias-free linear layer per expert: `weight [experts, out, in]`. Both forms run through the
+    module's call, so that hooks and an export's module metadata see each expert's product here."""
 
     def __init__(self, experts: int, in_features: int, out_features: int):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(experts, out_features, in_features))
 
-    def expert(self, index: int, x: Tensor) -> Tensor:
-        return F.linear(x, self.weight[index])
-
-    def forward(self, rows: Tensor, offsets: Tensor) -> Tensor:
-        """Rows sorted by expert, `offsets [E]` the end of each expert's rows (int32)."""
-        return torch._grouped_mm(rows, self.weight.transpose(1, 2), offs=offsets)
+    def forward(self, x: Tensor, expert: int | None = None, offsets: Tensor | None = None) -> Tensor:
+        """`x` through row `expert`'s weight; or, given `offsets [E]` (int32, the end of each expert's
+        rows), rows sorted by expert through the grouped GEMM."""
+        if offsets is not None:
+            return torch._grouped_mm(x, self.weight.transpose(1, 2), offs=offsets)
+        return F.linear(x, self.weight[expert])
 
 
 class SwiGLUExperts(nn.Module):
@@ -57,10 +58,11 @@ class SwiGLUExperts(nn.Module):
 
     def expert(self, index: int, x: Tensor) -> Tensor:
         """Expert `index` (a row of the stacks) on `x`, in the op order of `layers.SwiGLU`."""
-        return self.down_proj.expert(index, F.silu(self.gate_proj.expert(index, x)) * self.up_proj.expert(index, x))
+        return self.down_proj(F.silu(self.gate_proj(x, index)) * self.up_proj(x, index), index)
 
     def forward(self, rows: Tensor, offsets: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(rows, offsets)) * self.up_proj(rows, offsets), offsets)
+        return self.down_proj(F.silu(self.gate_proj(rows, offsets=offsets)) * self.up_proj(rows, offsets=offsets),
+                              offsets=offsets)
 
 
 def _per_expert_names(module: SwiGLUExperts, state: dict, prefix: str, local_metadata) -> None:

@@ -207,8 +207,9 @@ def _eager(ranks: Ranks, family: str) -> dict:
                           for name, tensor in kept.items()),
         "kept_names": sorted(kept),
         "full_names": sorted(full_experts),
-        "kept_own_storage": all(t.untyped_storage().nbytes() == t.numel() * t.element_size()
-                                for t in kept.values()),
+        # the kept tensors' storages hold just the kept experts (LLaDA2 names rows of its stacks apart)
+        "kept_own_storage": sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                                 for t in kept.values()}.values()) == sum(t.nbytes for t in kept.values()),
         "full_parameters": full_parameters,
         "expert_parameters": sum(t.numel() for t in kept.values()),
         "full_expert_parameters": sum(t.numel() for t in full_experts.values()),
@@ -245,7 +246,9 @@ def _kept_experts(model) -> list[list[int]]:
     kept = []
     for module in model.modules():
         if isinstance(module, ExpertParallelMoE):
-            kept.append(sorted(int(name) for name in module.experts))
+            assert module.experts.first == module.start
+            assert module.experts.gate_proj.weight.shape[0] == module.stop - module.start
+            kept.append(list(range(module.start, module.stop)))
         elif isinstance(module, ExpertParallelExperts):
             assert module.gate_up_proj.shape[0] == module.down_proj.shape[0] == module.stop - module.start
             kept.append(list(range(module.start, module.stop)))
