@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from dlmrt.bench.hardware import Gpu
-from dlmrt.bench.meta_kernels import fused_attention, grouped_experts, moe_layers
+from dlmrt.bench.meta_kernels import check_moe_dtype, fused_attention, moe_layers
 from dlmrt.bench.op_costs import Cost, OpCosts
 from dlmrt.bench.step_case import StepCase, step_graph, step_inputs, step_shapes
 from dlmrt.bench.step_scopes import GroupScopes, row_name
@@ -67,9 +67,9 @@ def count_step(model: Denoiser, case: StepCase) -> Roofline:
     layers = moe_layers(model)
     top_k = layers[0][1].gate.top_k if layers else None
     scopes = GroupScopes(graph)
-    with torch.no_grad(), fused_attention(), scopes, grouped_experts(model, scopes) as stand_ins:
-        weights = [*model.state_dict().values(), *stand_ins]
-        with OpCosts(lambda op: row_name(scopes.current, op), weights, top_k or 1) as costs:
+    check_moe_dtype(model)
+    with torch.no_grad(), fused_attention(), scopes:
+        with OpCosts(lambda op: row_name(scopes.current, op), list(model.state_dict().values()), top_k or 1) as costs:
             graph(**inputs)
     stored = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in model.state_dict().values()}
     return Roofline(model.name, model.dtype, case, dict(costs.rows), sum(stored.values()), top_k)
