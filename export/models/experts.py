@@ -3,7 +3,7 @@
     experts = SwiGLUExperts(num_experts, hidden, inner)  # gate_proj, up_proj [E, I, H], down_proj [E, H, I]
     experts.expert(e, x)                                  # expert e alone: one F.linear per projection
     if grouped_runs(x):
-        routed = grouped_routed(experts, x, chosen, weights)  # float32 [N, H], one grouped GEMM per projection
+        routed = grouped_routed(experts, x, chosen, weights, partial=False)  # one grouped GEMM per projection
 
 Each stack's row `e` is expert `e`'s `nn.Linear` weight. Checkpoints name every expert's matrices apart
 (`experts.5.gate_proj.weight [I, H]`); the state dict is written and read under those names (views of the
@@ -88,19 +88,22 @@ def grouped_runs(x: Tensor) -> bool:
     return x.device.type == "cuda" and x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 9
 
 
-def grouped_routed(experts: SwiGLUExperts, flat: Tensor, chosen: Tensor, weights: Tensor) -> Tensor:
-    """The float32 weighted sum `[N, H]` of the experts chosen for tokens `flat [N, H]` (`chosen`, `weights`
-    `[N, k]`; global expert indices, those outside `experts`' rows contribute nothing)."""
+def grouped_routed(experts: SwiGLUExperts, flat: Tensor, chosen: Tensor, weights: Tensor, partial: bool) -> Tensor:
+    """The weighted sum `[N, H]` (in `flat`'s dtype) of the experts chosen for tokens `flat [N, H]` (`chosen`,
+    `weights [N, k]`, global expert indices). `partial`: `experts` holds some of the experts (a rank's
+    slice); pairs routed to the others contribute nothing."""
     tokens, top_k = chosen.shape
     local = chosen - experts.first
     inside = (local >= 0) & (local < experts.num_experts)
-    key = torch.where(inside, local, experts.num_experts).flatten()  # pairs of other ranks' experts sort last
-    ordered, order = key.sort(stable=True)
+    key = torch.where(inside, local, experts.num_experts).flatten() if partial else local.flatten()
+    ordered, order = key.sort(stable=True)  # pairs of other ranks' experts sort last
     bounds = torch.arange(1, experts.num_experts + 1, device=key.device, dtype=key.dtype)
     offsets = torch.searchsorted(ordered, bounds, out_int32=True)
     out = experts(flat.index_select(0, order // top_k), offsets)
-    # Back in (token, slot) order, summed over the slots: the same order whatever the routing, unlike
-    # an atomic index_add. Rows past the last offset are never written by the GEMM: masked, not weighted.
+    # Back in (token, slot) order, then one batched product with the weights: the same summation order
+    # whatever the routing (an index_add's atomics on CUDA would not be), in the weights' precision of
+    # the activations' dtype, accumulated in float32 by the GEMM.
     pairs = out.new_empty(out.shape).index_copy_(0, order, out).view(tokens, top_k, -1)
-    weighted = torch.where(inside[..., None], pairs.float() * weights[..., None], 0.0)
-    return weighted.sum(1)
+    if partial:  # the grouped GEMM leaves rows past the last offset unwritten
+        pairs = pairs.masked_fill(~inside[..., None], 0.0)
+    return torch.bmm(weights[:, None].to(out.dtype), pairs).view(tokens, -1)

@@ -198,11 +198,12 @@ class MoE(nn.Module):
         return y
 
     def routed(self, flat: Tensor, experts: Tensor, weights: Tensor) -> Tensor:
-        """The float32 weighted sum of the chosen experts that this module holds, `[N, H]`."""
-        if not torch.compiler.is_exporting() and grouped_runs(flat):
-            return grouped_routed(self.experts, flat, experts, weights)
+        """The weighted sum `[N, H]` of the chosen experts that this module holds (float32; the activations'
+        dtype from the grouped GEMM)."""
         first, count = self.experts.first, self.experts.num_experts
         sharded = count != self.gate.weight.shape[0]  # an expert-parallel rank's slice
+        if not torch.compiler.is_exporting() and grouped_runs(flat):
+            return grouped_routed(self.experts, flat, experts, weights, partial=sharded)
         routed = torch.zeros(flat.shape, dtype=torch.float32, device=flat.device)
         if in_fixed_shape_graph():
             # A graph cannot pick experts by data: every expert runs on every token, weighted by a
