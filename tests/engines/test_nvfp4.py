@@ -211,10 +211,14 @@ def test_simulate_quantizes_the_block_linears_only(tiny):
 def test_simulate_leaves_the_moe_router_alone():
     model = random_model(LLADA2)
     names = set(nvfp4.quantizable_linears(model))
-    assert "model.layers.1.mlp.experts.0.gate_proj" in names and "model.layers.1.attention.dense" in names
+    assert "model.layers.1.mlp.experts.gate_proj" in names and "model.layers.1.attention.dense" in names
     assert not any("mlp.gate." in name or "lm_head" in name for name in names)
     simulated = nvfp4.simulate(model, [torch.randint(3, 20, (2, 8))])
-    assert sum(isinstance(m, NVFP4Linear) for m in simulated.modules()) == len(names)
+    assert sum(isinstance(m, (NVFP4Linear, nvfp4.NVFP4Experts)) for m in simulated.modules()) == len(names)
+    stacked = simulated.get_submodule("model.layers.1.mlp.experts.up_proj")
+    original = model.get_submodule("model.layers.1.mlp.experts.up_proj").weight
+    assert all(torch.equal(stacked.weight[row], nvfp4.fake_quantize(original[row])) for row in range(len(original)))
+    assert any(scale is not None for scale in stacked.input_global_scales)  # calibrated per expert
     simulated(torch.randint(3, 20, (2, 8)))  # uncalibrated experts fall back to dynamic scales
 
 
