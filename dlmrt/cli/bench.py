@@ -154,19 +154,24 @@ SCENARIO_OPTIONS = ("model_name", "backend_spec", "batch_size", "input_len", "ou
               "floor on --gpu, per --batch-size; with --device given, also measured there (docs/roofline.md).")
 @click.option("--gpu", "gpu_name", default=None, metavar="NAME", help="With --roofline: h100, h200 (4.2 TB/s "
               "measured), h200-nominal, rtx5090 or b200 [default: h200].")
+@click.option("--precision", type=click.Choice(("fp8",)), default=None, help="With --roofline: the blocks' linears "
+              "in FP8 (timed cases name it in --backend: torch:cudagraph:fp8) [default: the model's --dtype].")
 @click.pass_context
 @reports_errors
 def bench_command(ctx, wide, output_json, suite, scenario_names, baseline, check, update_baseline, summary, junit,
-                  history, plot_path, roofline, gpu_name, **options):
+                  history, plot_path, roofline, gpu_name, precision, **options):
     """Latency and throughput of generate: tokens/s, TPF, NFE, latency per request and per step."""
     import time
 
     from rich.console import Console
 
     if roofline:
-        return run_roofline(ctx, options, gpu_name or "h200", output_json)
+        return run_roofline(ctx, options, gpu_name or "h200", output_json, precision)
     if gpu_name is not None:
         raise click.UsageError("--gpu names the GPU of a roofline's floors: it needs --roofline")
+    if precision is not None:
+        raise click.UsageError("--precision applies to --roofline: a timed case names fp8 in --backend, as "
+                               "torch:cudagraph:fp8")
     if len(options["batch_size"]) > 1:
         raise click.UsageError("a list of batch sizes needs --roofline: a timed scenario runs one batch size")
     options["batch_size"] = options["batch_size"][0]
@@ -239,25 +244,28 @@ def bench_command(ctx, wide, output_json, suite, scenario_names, baseline, check
 
 # What --roofline reads; any other option given with it is refused.
 ROOFLINE_OPTIONS = ("model_name", "batch_size", "input_len", "output_len", "block_length", "cache", "dtype", "device",
-                    "output_json", "roofline", "gpu_name")
+                    "output_json", "roofline", "gpu_name", "precision")
 
 
-def run_roofline(ctx: click.Context, options: dict, gpu_name: str, output_json: Path | None) -> None:
+def run_roofline(ctx: click.Context, options: dict, gpu_name: str, output_json: Path | None,
+                 precision: str | None) -> None:
     """`--roofline` (dlmrt.bench.roofline_report); with --device given, the step is also measured there."""
     from rich.console import Console
 
     from dlmrt.bench import hardware, roofline_report
     from dlmrt.bench.models import meta_model
+    from dlmrt.bench.roofline import in_precision
 
     source = ctx.get_parameter_source
     given = [p.name for p in ctx.command.params if p.name not in ROOFLINE_OPTIONS and source(p.name) == COMMANDLINE]
     if given:
         raise click.UsageError(f"--roofline counts one step of the model: drop {option_name(ctx, given[0])}")
     gpu = hardware.gpu(gpu_name)
-    meta = meta_model(options["model_name"], options["dtype"])
+    meta = in_precision(meta_model(options["model_name"], options["dtype"]), precision)
     measured_on = None
     if source("device") == COMMANDLINE:
-        measured_on = open_model(options["model_name"], str(meta.dtype).removeprefix("torch."), options["device"])
+        measured_on = in_precision(open_model(options["model_name"], str(meta.dtype).removeprefix("torch."),
+                                              options["device"]), precision)
     roofline_report.run(meta, gpu, options["batch_size"], input_len=options["input_len"],
                         output_len=options["output_len"], block_length=options["block_length"], cache=options["cache"],
                         console=Console(width=None if sys.stdout.isatty() else WIDE_TABLE_WIDTH),
