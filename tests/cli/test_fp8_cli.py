@@ -71,3 +71,17 @@ def test_bench_runs_an_fp8_case_beside_the_float_one(tmp_path):
     cases = json.loads(out.read_text())["scenarios"]["bench"]["cases"]
     assert [case["setting"] for case in cases] == ["torch:eager", "torch:eager:fp8"]
     assert all(case["nfe"] > 0 for case in cases)
+
+
+def test_the_gate_counts_an_fp8_case_with_no_more_host_reads_and_the_same_flops():
+    import dlmrt
+    from dlmrt.bench.counted import count_work
+    from dlmrt.runtime import GenerationSettings, Threshold
+
+    model = dlmrt.load()
+    prompts = [model.tokenizer.encode(p).ids for p in ("add:762+139=", "rev:hello=")]
+    settings = GenerationSettings(gen_length=16, block_length=8, policy=Threshold(0.9), cache="dual")
+    floats, fp8 = (count_work(kind, model, prompts, settings) for kind in ("torch:eager", "torch:eager:fp8"))
+    assert fp8.nfe > 0 and fp8.host_reads / fp8.nfe <= floats.host_reads / floats.nfe
+    assert fp8.flops_per_token == floats.flops_per_token  # _scaled_mm counts the float product's 2*M*K*N
+    assert fp8.aten_ops_per_step > floats.aten_ops_per_step  # and the activations' quantization
