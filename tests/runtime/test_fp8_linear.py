@@ -144,6 +144,14 @@ def test_kernels_by_device():
         Fp8Linear(nn.Linear(16, 16), "int8")
 
 
+def test_a_gpu_older_than_compute_capability_8_9_is_refused_in_one_line(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    with pytest.raises(ArgumentError, match=r"compute capability 8.9 or newer .*NVIDIA A100 is 8.0") as raised:
+        fp8_linear.kernel_for("cuda")
+    assert "\n" not in str(raised.value)
+
+
 def test_the_tiny_model_decodes_in_fp8_as_in_float32_mostly():
     model = dlmrt.load()
     fp8 = copy.deepcopy(model)
