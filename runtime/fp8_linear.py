@@ -68,10 +68,13 @@ def kernel_for(device: torch.device | str) -> str:
         return "scaled_mm"
     if device.type == "cuda":
         capability = torch.cuda.get_device_capability(device)
-        if capability < MIN_CAPABILITY or not _scaled_mm_runs(device):
+        name = f"{torch.cuda.get_device_name(device)} is {capability[0]}.{capability[1]}"
+        if capability < MIN_CAPABILITY:
             raise ArgumentError(f"--precision fp8 needs a GPU of compute capability 8.9 or newer (FP8 tensor "
-                                f"cores); {torch.cuda.get_device_name(device)} is {capability[0]}.{capability[1]}: "
-                                f"drop --precision fp8")
+                                f"cores); {name}: drop --precision fp8")
+        if not _scaled_mm_runs(device):
+            raise ArgumentError(f"torch {torch.__version__} runs no row-wise scaled FP8 matmul (_scaled_mm) on this "
+                                f"GPU ({name}): drop --precision fp8, or use a torch that does")
         return "scaled_mm"
     if device.type == "cpu":
         return "scaled_mm" if _scaled_mm_runs(device) else "dequantize"
