@@ -141,7 +141,7 @@ def test_the_gate_fails_a_slowdown_that_repeats(suite, monkeypatch, tmp_path):
     run = TorchBackend.run
 
     def slow_run(self, *args, **kwargs):  # redundant work on every step: a regression of the loop
-        time.sleep(0.2)  # far beyond the noise of a loaded machine (the tests run two at a time)
+        time.sleep(0.05)  # tens of times a tiny step: far beyond the noise of a loaded machine
         return run(self, *args, **kwargs)
 
     monkeypatch.setattr(TorchBackend, "run", slow_run)
