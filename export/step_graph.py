@@ -31,7 +31,8 @@ Token editing (LLaDA2.1) may overwrite the block's committed positions that are 
 padding: the graph derives them from the window's key mask, positions and each row's prompt length.
 
 `unmask="triton"` runs the op's Triton kernels instead of its torch reference (same semantics; CUDA
-tensors, or CPU tensors under TRITON_INTERPRET=1).
+tensors, or CPU tensors under TRITON_INTERPRET=1); `unmask="auto"` picks as
+`dlmrt.plugins.parallel_unmask.choice` says (the torch backend passes its mode there first).
 
 With classifier-free guidance (`full_guided`, `cached_guided`) the graph also takes each row's
 prompt length and the scale, runs the prompt-masked copy of every row beside it (the model's K/V,
@@ -49,22 +50,16 @@ from dlmrt.core.errors import ArgumentError
 from dlmrt.export.models import Denoiser
 from dlmrt.export.models.denoiser import PastKV
 from dlmrt.export.models.residual import Residual
-from dlmrt.plugins.parallel_unmask import EditParams, UnmaskParams, parallel_unmask
+from dlmrt.plugins.parallel_unmask import EditParams, UnmaskParams, choice, parallel_unmask
 from dlmrt.plugins.parallel_unmask import torch_op  # noqa: F401  (registers torch.ops.dlmrt.parallel_unmask)
 
 GRAPHS = ("full", "cached")
-UNMASK_KERNELS = ("torch", "triton")
 GUIDED_GRAPHS = ("full_guided", "cached_guided")
 POLICY_INPUTS = ("count", "threshold", "factor", "temperature", "seed", "step", "measure")
 # The inputs of token editing (ParallelUnmask v2); exports made before it lack them.
 EDITING_INPUTS = ("edit_threshold", "prompt_lengths")
 # The block's logits [B, block, V], the last output; exports made before it lack it.
 LOGITS_OUTPUT = "logits"
-
-
-def check_unmask(unmask: str) -> None:
-    if unmask not in UNMASK_KERNELS:
-        raise ArgumentError(f"unmask must be one of {', '.join(UNMASK_KERNELS)}, got {unmask!r}")
 
 
 def graph_name(cached: bool, guided: bool) -> str:
@@ -97,12 +92,12 @@ class StepGraph(nn.Module):
         self.residual = model.residual_config is not None
         self.return_kv, self.sampling, self.confidence, self.editing = return_kv, sampling, confidence, editing
         self.return_logits = return_logits
-        check_unmask(unmask)
-        if model.vocab_shard is not None and unmask != "torch":
+        sharded = model.vocab_shard is not None
+        if sharded and unmask == "triton":
             raise ArgumentError("a tensor-parallel step holds a vocabulary slice of the logits: it unmasks with its "
                                 "own torch code (unmask='torch')")
         self.triton_kernels = None
-        if unmask == "triton":
+        if choice.resolve(unmask, model.device, sharded=sharded) == "triton":
             from dlmrt.plugins.parallel_unmask import triton_kernels
 
             self.triton_kernels = triton_kernels
