@@ -19,6 +19,10 @@ read asks), `confidence` (every row uses this measure, so the others are not com
 `editing=False` (no row edits committed tokens, so the edit pass is skipped). Exports always return
 the K/V and take every temperature, measure and editing threshold as inputs.
 
+With bfloat16 or float16 logits the torch unmasking upcasts the block a few positions at a time
+(`parallel_unmask.chunked`: the same values as the whole block upcast, without its float32 copy), except
+where the graph needs the whole block in float32 anyway: guidance, `return_logits`, export, Triton.
+
 `return_logits=True` also returns the block's float32 logits (after guidance), from which the step loop
 takes each committed token's log-probability when some row asks (docs/logprobs.md). Exports always
 name them as their last output, `logits`; a binding that does not ask leaves that output unbound, so
@@ -50,7 +54,7 @@ from dlmrt.core.errors import ArgumentError
 from dlmrt.export.models import Denoiser
 from dlmrt.export.models.denoiser import PastKV
 from dlmrt.export.models.residual import Residual
-from dlmrt.plugins.parallel_unmask import EditParams, UnmaskParams, choice, parallel_unmask
+from dlmrt.plugins.parallel_unmask import EditParams, UnmaskParams, choice, chunked, parallel_unmask
 from dlmrt.plugins.parallel_unmask import torch_op  # noqa: F401  (registers torch.ops.dlmrt.parallel_unmask)
 
 GRAPHS = ("full", "cached")
@@ -123,7 +127,10 @@ class StepGraph(nn.Module):
         out = self.model.denoise(model_ids, positions=model_positions, key_mask=key_mask, past=past,
                                  residual=residual, return_kv=self.return_kv or exporting, block_length=self.grid,
                                  logits_index=block_index)
-        logits = out.logits.float()
+        # A bf16/fp16 block is upcast a slice at a time where nothing needs all of it in float32 at once.
+        sliced = not (exporting or self.guided or self.return_logits or self.triton_kernels is not None
+                      or self.model.vocab_shard is not None) and out.logits.dtype != torch.float32
+        logits = out.logits if sliced else out.logits.float()
         if self.guided:
             cond, uncond = logits[:ids.shape[0]], logits[ids.shape[0]:]  # not chunk(): it guards the batch
             logits = uncond + (cfg_scale + 1) * (cond - uncond)
@@ -144,9 +151,9 @@ class StepGraph(nn.Module):
             unmasked = self.triton_kernels.parallel_unmask(logits, block_ids, block_positions, params, mask_id, measure,
                                                            edits=edits)
         else:
-            unmasked = parallel_unmask(logits, block_ids, block_positions, params, mask_id=mask_id,
-                                       confidence=self.confidence or measure, sampling=self.sampling,
-                                       edits=edits)
+            unmask = chunked.parallel_unmask if sliced else parallel_unmask
+            unmasked = unmask(logits, block_ids, block_positions, params, mask_id=mask_id,
+                              confidence=self.confidence or measure, sampling=self.sampling, edits=edits)
         extra = (out.residual.z, out.residual.certainty) if self.residual else ()
         if self.return_logits and self.model.vocab_shard is not None:  # no rank holds them all: their logprobs
             extra = (*extra, *self.model.vocab_shard.token_logprobs(
