@@ -35,7 +35,8 @@ Token editing (LLaDA2.1) may overwrite the block's committed positions that are 
 padding: the graph derives them from the window's key mask, positions and each row's prompt length.
 
 `unmask="triton"` runs the op's Triton kernels instead of its torch reference (same semantics; CUDA
-tensors, or CPU tensors under TRITON_INTERPRET=1); `unmask="auto"` picks as
+tensors, or CPU tensors under TRITON_INTERPRET=1), `unmask="triton-split"` its vocabulary-split kernels
+(`split_kernels`, which read bf16 logits as they are); `unmask="auto"` picks as
 `dlmrt.plugins.parallel_unmask.choice` says (the torch backend passes its mode there first).
 
 With classifier-free guidance (`full_guided`, `cached_guided`) the graph also takes each row's
@@ -97,14 +98,19 @@ class StepGraph(nn.Module):
         self.return_kv, self.sampling, self.confidence, self.editing = return_kv, sampling, confidence, editing
         self.return_logits = return_logits
         sharded = model.vocab_shard is not None
-        if sharded and unmask == "triton":
+        if sharded and unmask.startswith("triton"):
             raise ArgumentError("a tensor-parallel step holds a vocabulary slice of the logits: it unmasks with its "
                                 "own torch code (unmask='torch')")
-        self.triton_kernels = None
-        if choice.resolve(unmask, model.device, sharded=sharded) == "triton":
+        self.triton_kernels = None  # a module whose `parallel_unmask` launches the op's Triton kernels
+        self.unmask = choice.resolve(unmask, model.device, sharded=sharded)
+        if self.unmask == "triton":
             from dlmrt.plugins.parallel_unmask import triton_kernels
 
             self.triton_kernels = triton_kernels
+        elif self.unmask == "triton-split":
+            from dlmrt.plugins.parallel_unmask import split_kernels
+
+            self.triton_kernels = split_kernels
 
     def forward(self, ids: Tensor, positions: Tensor, key_mask: Tensor, block_index: Tensor, count: Tensor,
                 threshold: Tensor, factor: Tensor, temperature: Tensor, seed: Tensor, step: Tensor,
@@ -127,10 +133,11 @@ class StepGraph(nn.Module):
         out = self.model.denoise(model_ids, positions=model_positions, key_mask=key_mask, past=past,
                                  residual=residual, return_kv=self.return_kv or exporting, block_length=self.grid,
                                  logits_index=block_index)
-        # A bf16/fp16 block is upcast a slice at a time where nothing needs all of it in float32 at once.
-        sliced = not (exporting or self.guided or self.return_logits or self.triton_kernels is not None
-                      or self.model.vocab_shard is not None) and out.logits.dtype != torch.float32
-        logits = out.logits if sliced else out.logits.float()
+        # A bf16/fp16 block stays as it is where nothing needs all of it in float32 at once: the torch
+        # unmasking upcasts it a slice at a time, the split kernels read it as it is.
+        upcast = (exporting or self.guided or self.return_logits or self.unmask == "triton"
+                  or self.model.vocab_shard is not None)
+        logits = out.logits.float() if upcast else out.logits
         if self.guided:
             cond, uncond = logits[:ids.shape[0]], logits[ids.shape[0]:]  # not chunk(): it guards the batch
             logits = uncond + (cfg_scale + 1) * (cond - uncond)
@@ -151,7 +158,7 @@ class StepGraph(nn.Module):
             unmasked = self.triton_kernels.parallel_unmask(logits, block_ids, block_positions, params, mask_id, measure,
                                                            edits=edits)
         else:
-            unmask = chunked.parallel_unmask if sliced else parallel_unmask
+            unmask = parallel_unmask if logits.dtype == torch.float32 else chunked.parallel_unmask
             unmasked = unmask(logits, block_ids, block_positions, params, mask_id=mask_id,
                               confidence=self.confidence or measure, sampling=self.sampling, edits=edits)
         extra = (out.residual.z, out.residual.certainty) if self.residual else ()

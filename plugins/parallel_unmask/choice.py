@@ -3,10 +3,12 @@
     resolve("auto", device, mode)   # what a TorchBackend runs by default
     resolve("torch", ...)           # the op's torch reference (`reference.py`), on any device
     resolve("triton", ...)          # the op's Triton kernels (`triton_kernels.py`), two launches
+    resolve("triton-split", ...)    # the vocabulary split across programs (`split_kernels.py`), three
 
 `auto` is the torch reference on a CPU, under torch.compile, and on a tensor-parallel rank (which
 unmasks from its vocabulary slice), and on CUDA whichever kernel the last GPU run measured fastest:
-`CUDA_FASTEST`, where the Triton extra is installed.
+`CUDA_FASTEST`, where the Triton extra is installed. A kernel no GPU run has timed (today
+"triton-split") is never the default.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 
 from dlmrt.core.errors import ArgumentError
 
-KERNELS = ("auto", "torch", "triton")
+KERNELS = ("auto", "torch", "triton", "triton-split")
 
 # docs/gpu-runs.md, 2026-12-04, one H200 (scripts/bench_step_latency.py, logits [1, 32, 126464] float32),
 # median µs greedy / at temperature 0.8: torch reference 1394.7 / 1947.5, Triton two kernels 290.0 / 908.5,
@@ -31,7 +33,7 @@ def check(unmask: str) -> None:
 
 
 def resolve(unmask: str, device: torch.device, mode: str = "eager", sharded: bool = False) -> str:
-    """"torch" or "triton": what `unmask` runs for a step on `device` in `mode` (eager, compile,
+    """"torch", "triton" or "triton-split": what `unmask` runs for a step on `device` in `mode` (eager, compile,
     cudagraph); `sharded` for a tensor-parallel rank's step."""
     check(unmask)
     if unmask != "auto":

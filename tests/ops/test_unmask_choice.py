@@ -39,5 +39,5 @@ def test_an_explicit_choice_is_kept():
 
 
 def test_an_unknown_choice_is_one_clear_error():
-    with pytest.raises(ArgumentError, match="unmask must be one of auto, torch, triton, got 'fused'"):
+    with pytest.raises(ArgumentError, match="unmask must be one of auto, torch, triton, triton-split, got 'fused'"):
         choice.resolve("fused", CPU)
