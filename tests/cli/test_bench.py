@@ -75,7 +75,7 @@ def test_a_named_random_config_needs_no_download(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--backend", "tensorflow"], "unknown backend 'tensorflow'"),
     (["--backend", "torch:fast"], "unknown backend 'torch:fast'"),
-    (["--backend", "ort:int3"], "unknown backend 'ort:int3': give torch[:eager|compile|cudagraph|auto], "
+    (["--backend", "ort:int3"], "unknown backend 'ort:int3': give torch[:eager|compile|cudagraph|auto][:fp8], "
                                 "ort[:int8|int4|int8-dynamic] or reference"),
     (["--backend", "torch,torch:auto"], "names a backend twice"),
     (["--model", "llada-9000"], "is neither a model directory nor a random config"),
