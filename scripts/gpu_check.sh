@@ -29,6 +29,8 @@
 #   latency-eager-cudagraph  scripts/bench_step_latency.py on LLaDA-8B shapes (random bf16 weights made on
 #                            the GPU): ms per step at K = 1 and a whole block against the HBM floor, and the
 #                            unmask step's Triton kernels against the torch reference
+#   unmask-kernels           the unmask step alone at vocabulary 126,464, batch 1 and 64, greedy and t=0.8: the
+#                            torch reference (fp32, bf16 by slices) and every Triton form (two kernels, fused, split)
 #   bench-llada-8b           `dlmrt bench` on LLaDA-8B's shapes, eager vs CUDA graphs, bf16 and fp8
 #   nccl-tp                  scripts/tp_check.py: the tiny LLaDA and DiffusionGemma split over NCCL ranks (one per GPU,
 #                            at most 2; one GPU runs one NCCL rank and says so), tokens against one process, eager
@@ -245,6 +247,8 @@ for batch in 1 32; do
 done
 step latency-eager-cudagraph 120 "$python" scripts/bench_step_latency.py --modes eager,cudagraph \
     --json "$work/json/latency-eager-cudagraph.json"
+step unmask-kernels 60 "$python" scripts/bench_step_latency.py --unmask-only --batches 1,64 \
+    --json "$work/json/unmask-kernels.json"
 step bench-llada-8b 90 "$python" -m dlmrt.cli bench --model llada-8b --device cuda --dtype bfloat16 \
     --backend torch:eager,torch:cudagraph,torch:cudagraph:fp8 --input-len 512 --output-len 32 --num-iters 3 \
     --output-json "$work/json/bench-llada-8b.json"
@@ -270,7 +274,7 @@ step latency-compile 180 "$python" scripts/bench_step_latency.py --modes compile
 
 # -- what comes back ----------------------------------------------------------------------------------
 for log in roofline-llada-8b roofline-llada-8b-fp8 roofline-llada2.1-mini bench-llada2.1-mini-b1 bench-llada2.1-mini-b32 \
-           latency-eager-cudagraph bench-llada-8b nccl-tp backends bench-diffusion-gemma latency-compile; do
+           latency-eager-cudagraph unmask-kernels bench-llada-8b nccl-tp backends bench-diffusion-gemma latency-compile; do
     [ -s "$work/logs/$log.log" ] || continue  # the benchmarks' own tables, before the summary
     echo "===== $log (the end of its log)"
     grep -v -E '^  (eager|compile|cudagraph) K=' "$work/logs/$log.log" | tail -n 30
