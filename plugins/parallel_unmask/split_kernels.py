@@ -19,8 +19,8 @@ from torch import Tensor
 
 from dlmrt.plugins.parallel_unmask import triton_kernels as tk
 from dlmrt.plugins.parallel_unmask.reference import EditParams, UnmaskParams, UnmaskResult
-from dlmrt.plugins.parallel_unmask.triton_kernels import (_ENTROPY, _MARGIN, _PROB, LaunchConfig, _random_confidence,
-                                                          _row_hash, _softmax_update, _uniform, tl, triton)
+from dlmrt.plugins.parallel_unmask.triton_kernels import (LaunchConfig, _row_hash, _softmax_update, _store_prediction,
+                                                          _uniform, tl, triton)
 
 CONFIGS = {
     "split_kernel": LaunchConfig({"BLOCK_V": 1024}, num_warps=4),
@@ -119,20 +119,9 @@ def merge_kernel(logits, ids, positions, seed, step, temperature, measure, edit_
         scores = tl.load(sampled + at, mask=valid, other=-2.0)
         x0 = tl.load(index + plane + i.to(tl.int64) * S + tl.argmax(scores, axis=0))
 
-    m = tl.where(reads, m, 0.0)
-    log_s = tl.log(tl.where(reads, s, 1.0))
-    row = logits + i.to(tl.int64) * V
-    prob = tl.exp((tl.load(row + x0).to(tl.float32) - m) - log_s)
-    margin = tl.exp((best - m) - log_s) - tl.exp((second - m) - log_s)
-    entropy = log_s - t / tl.exp(log_s)
-    certainty = 1.0 - entropy / tl.log(V.to(tl.float64)).to(tl.float32)
-    code = tl.load(measure + b)
-    conf = tl.where(code == _PROB, prob,
-                    tl.where(code == _MARGIN, margin,
-                             tl.where(code == _ENTROPY, certainty, _random_confidence(row_hash))))
-    edited = may_edit & (x0.to(tl.int64) != old) & (prob >= edit_tau)
-    tl.store(new_ids + i, tl.where(is_masked | edited, x0.to(tl.int64), old))
-    tl.store(confidence + i, tl.where(is_masked, conf, float("-inf")))
+    picked = tl.load(logits + i.to(tl.int64) * V + x0).to(tl.float32)
+    _store_prediction(picked, x0, m, s, t, best, second, reads, V, tl.load(measure + b), row_hash,
+                      is_masked, may_edit, old, edit_tau, new_ids, confidence, i)
 
 
 def splits_for(vocab: int, block_v: int, split_v: int = SPLIT_V) -> tuple[int, int]:

@@ -141,6 +141,25 @@ def _sample(row, V, end, mask_id, row_hash, temperature, BLOCK_V: tl.constexpr):
 
 
 @triton.jit
+def _store_prediction(picked, x0, m, s, t, best, second, reads, V, code, row_hash, is_masked, may_edit, old, edit_tau,
+                      new_ids, confidence, i):
+    """Position i's token and confidence from its softmax statistics: running max m, sum s of exp(x - m), t of
+    (x - m) * exp(x - m), the two best logits and the picked token x0's logit, all float32."""
+    m = tl.where(reads, m, 0.0)
+    log_s = tl.log(tl.where(reads, s, 1.0))
+    prob = tl.exp((picked - m) - log_s)
+    margin = tl.exp((best - m) - log_s) - tl.exp((second - m) - log_s)
+    entropy = log_s - t / tl.exp(log_s)
+    certainty = 1.0 - entropy / tl.log(V.to(tl.float64)).to(tl.float32)
+    conf = tl.where(code == _PROB, prob,
+                    tl.where(code == _MARGIN, margin,
+                             tl.where(code == _ENTROPY, certainty, _random_confidence(row_hash))))
+    edited = may_edit & (x0.to(tl.int64) != old) & (prob >= edit_tau)
+    tl.store(new_ids + i, tl.where(is_masked | edited, x0.to(tl.int64), old))
+    tl.store(confidence + i, tl.where(is_masked, conf, float("-inf")))
+
+
+@triton.jit
 def _unmask_position(logits, ids, positions, seed, step, temperature, measure, edit_threshold, editable, new_ids,
                      confidence, b, i, V, mask_id, BLOCK_V: tl.constexpr):
     """Candidate and confidence of the position at flat index i (row b): for a masked position x0 goes
@@ -178,19 +197,8 @@ def _unmask_position(logits, ids, positions, seed, step, temperature, measure, e
     if temp > 0:
         x0 = _sample(row, V, end, mask_id, row_hash, temp, BLOCK_V)
 
-    m = tl.where(reads, m, 0.0)
-    log_s = tl.log(tl.where(reads, s, 1.0))
-    prob = tl.exp((tl.load(row + x0) - m) - log_s)
-    margin = tl.exp((best - m) - log_s) - tl.exp((second - m) - log_s)
-    entropy = log_s - t / tl.exp(log_s)
-    certainty = 1.0 - entropy / tl.log(V.to(tl.float64)).to(tl.float32)
-    code = tl.load(measure + b)
-    conf = tl.where(code == _PROB, prob,
-                    tl.where(code == _MARGIN, margin,
-                             tl.where(code == _ENTROPY, certainty, _random_confidence(row_hash))))
-    edited = may_edit & (x0.to(tl.int64) != old) & (prob >= edit_tau)
-    tl.store(new_ids + i, tl.where(is_masked | edited, x0.to(tl.int64), old))
-    tl.store(confidence + i, tl.where(is_masked, conf, float("-inf")))
+    _store_prediction(tl.load(row + x0), x0, m, s, t, best, second, reads, V, tl.load(measure + b), row_hash,
+                      is_masked, may_edit, old, edit_tau, new_ids, confidence, i)
 
 
 # -- one row's commit --------------------------------------------------------------------------
