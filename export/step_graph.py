@@ -19,6 +19,10 @@ read asks), `confidence` (every row uses this measure, so the others are not com
 `editing=False` (no row edits committed tokens, so the edit pass is skipped). Exports always return
 the K/V and take every temperature, measure and editing threshold as inputs.
 
+With bfloat16 or float16 logits the torch unmasking upcasts the block a few positions at a time
+(`parallel_unmask.chunked`: the same values as the whole block upcast, without its float32 copy), except
+where the graph needs the whole block in float32 anyway: guidance, `return_logits`, export, Triton.
+
 `return_logits=True` also returns the block's float32 logits (after guidance), from which the step loop
 takes each committed token's log-probability when some row asks (docs/logprobs.md). Exports always
 name them as their last output, `logits`; a binding that does not ask leaves that output unbound, so
@@ -31,7 +35,9 @@ Token editing (LLaDA2.1) may overwrite the block's committed positions that are 
 padding: the graph derives them from the window's key mask, positions and each row's prompt length.
 
 `unmask="triton"` runs the op's Triton kernels instead of its torch reference (same semantics; CUDA
-tensors, or CPU tensors under TRITON_INTERPRET=1).
+tensors, or CPU tensors under TRITON_INTERPRET=1), `unmask="triton-split"` its vocabulary-split kernels
+(`split_kernels`, which read bf16 logits as they are); `unmask="auto"` picks as
+`dlmrt.plugins.parallel_unmask.choice` says (the torch backend passes its mode there first).
 
 With classifier-free guidance (`full_guided`, `cached_guided`) the graph also takes each row's
 prompt length and the scale, runs the prompt-masked copy of every row beside it (the model's K/V,
@@ -49,22 +55,16 @@ from dlmrt.core.errors import ArgumentError
 from dlmrt.export.models import Denoiser
 from dlmrt.export.models.denoiser import PastKV
 from dlmrt.export.models.residual import Residual
-from dlmrt.plugins.parallel_unmask import EditParams, UnmaskParams, parallel_unmask
+from dlmrt.plugins.parallel_unmask import EditParams, UnmaskParams, choice, chunked, parallel_unmask
 from dlmrt.plugins.parallel_unmask import torch_op  # noqa: F401  (registers torch.ops.dlmrt.parallel_unmask)
 
 GRAPHS = ("full", "cached")
-UNMASK_KERNELS = ("torch", "triton")
 GUIDED_GRAPHS = ("full_guided", "cached_guided")
 POLICY_INPUTS = ("count", "threshold", "factor", "temperature", "seed", "step", "measure")
 # The inputs of token editing (ParallelUnmask v2); exports made before it lack them.
 EDITING_INPUTS = ("edit_threshold", "prompt_lengths")
 # The block's logits [B, block, V], the last output; exports made before it lack it.
 LOGITS_OUTPUT = "logits"
-
-
-def check_unmask(unmask: str) -> None:
-    if unmask not in UNMASK_KERNELS:
-        raise ArgumentError(f"unmask must be one of {', '.join(UNMASK_KERNELS)}, got {unmask!r}")
 
 
 def graph_name(cached: bool, guided: bool) -> str:
@@ -97,15 +97,20 @@ class StepGraph(nn.Module):
         self.residual = model.residual_config is not None
         self.return_kv, self.sampling, self.confidence, self.editing = return_kv, sampling, confidence, editing
         self.return_logits = return_logits
-        check_unmask(unmask)
-        if model.vocab_shard is not None and unmask != "torch":
+        sharded = model.vocab_shard is not None
+        if sharded and unmask.startswith("triton"):
             raise ArgumentError("a tensor-parallel step holds a vocabulary slice of the logits: it unmasks with its "
                                 "own torch code (unmask='torch')")
-        self.triton_kernels = None
-        if unmask == "triton":
+        self.triton_kernels = None  # a module whose `parallel_unmask` launches the op's Triton kernels
+        self.unmask = choice.resolve(unmask, model.device, sharded=sharded)
+        if self.unmask == "triton":
             from dlmrt.plugins.parallel_unmask import triton_kernels
 
             self.triton_kernels = triton_kernels
+        elif self.unmask == "triton-split":
+            from dlmrt.plugins.parallel_unmask import split_kernels
+
+            self.triton_kernels = split_kernels
 
     def forward(self, ids: Tensor, positions: Tensor, key_mask: Tensor, block_index: Tensor, count: Tensor,
                 threshold: Tensor, factor: Tensor, temperature: Tensor, seed: Tensor, step: Tensor,
@@ -128,7 +133,11 @@ class StepGraph(nn.Module):
         out = self.model.denoise(model_ids, positions=model_positions, key_mask=key_mask, past=past,
                                  residual=residual, return_kv=self.return_kv or exporting, block_length=self.grid,
                                  logits_index=block_index)
-        logits = out.logits.float()
+        # A bf16/fp16 block stays as it is where nothing needs all of it in float32 at once: the torch
+        # unmasking upcasts it a slice at a time, the split kernels read it as it is.
+        upcast = (exporting or self.guided or self.return_logits or self.unmask == "triton"
+                  or self.model.vocab_shard is not None)
+        logits = out.logits.float() if upcast else out.logits
         if self.guided:
             cond, uncond = logits[:ids.shape[0]], logits[ids.shape[0]:]  # not chunk(): it guards the batch
             logits = uncond + (cfg_scale + 1) * (cond - uncond)
@@ -149,9 +158,9 @@ class StepGraph(nn.Module):
             unmasked = self.triton_kernels.parallel_unmask(logits, block_ids, block_positions, params, mask_id, measure,
                                                            edits=edits)
         else:
-            unmasked = parallel_unmask(logits, block_ids, block_positions, params, mask_id=mask_id,
-                                       confidence=self.confidence or measure, sampling=self.sampling,
-                                       edits=edits)
+            unmask = parallel_unmask if logits.dtype == torch.float32 else chunked.parallel_unmask
+            unmasked = unmask(logits, block_ids, block_positions, params, mask_id=mask_id,
+                              confidence=self.confidence or measure, sampling=self.sampling, edits=edits)
         extra = (out.residual.z, out.residual.certainty) if self.residual else ()
         if self.return_logits and self.model.vocab_shard is not None:  # no rank holds them all: their logprobs
             extra = (*extra, *self.model.vocab_shard.token_logprobs(

@@ -16,8 +16,9 @@ from torch import Tensor
 from dlmrt.core.errors import ArgumentError
 from dlmrt.export.models import Denoiser
 from dlmrt.export.models.residual import Residual
-from dlmrt.export.step_graph import StepGraph, check_unmask
+from dlmrt.export.step_graph import StepGraph
 from dlmrt.plugins.entropy_bound import RenoiseParams, RenoiseResult, entropy_bound_step
+from dlmrt.plugins.parallel_unmask import choice
 from dlmrt.runtime import onednn
 from dlmrt.runtime.backend import Backend, ModelSpec
 from dlmrt.runtime.uniform_state import CacheGroup, UniformState
@@ -81,11 +82,13 @@ class _TorchGraph:
 class TorchBackend(Backend):
     def __init__(self, model: Denoiser, *, mode: str = "auto", max_batch: int = DEFAULT_MAX_BATCH,
                  max_length: int | None = None, batch_sizes: tuple[int, ...] | None = None,
-                 canvas_lengths: tuple[int, ...] | None = None, unmask: str = "torch",
+                 canvas_lengths: tuple[int, ...] | None = None, unmask: str = "auto",
                  on_compile: Callable[[str], None] | None = None,
                  observe: Callable[[Mapping[str, Tensor]], None] | None = None):
         """`observe(inputs)` (eager mode only) sees each step graph's inputs by name, before the step
-        runs, as the step consumes them: what ORL training records of a rollout."""
+        runs, as the step consumes them: what ORL training records of a rollout. `unmask`: the unmasking
+        step's kernels, "auto" (`choice.resolve`: the torch reference except where a GPU run measured
+        Triton faster), "torch" or "triton"."""
         model.eval()
         spec = spec_of(model)
         resolved = resolve_mode(mode, spec.device)
@@ -99,8 +102,8 @@ class TorchBackend(Backend):
             canvas_hint="raise it with TorchBackend(max_length=...), up to the model's context"),
             mode=resolved, on_failure="fall back" if mode == "auto" else "explain", on_compile=on_compile)
         self.model, self.mode, self.observe = model, resolved, observe
-        check_unmask(unmask)
-        self.unmask = unmask  # the unmasking step's kernels: "torch" (its reference) or "triton"
+        # "torch" or "triton"; a bucket that falls back to eager keeps it
+        self.unmask = choice.resolve(unmask, spec.device, resolved, sharded=spec.vocab_ranks > 1)
         self._graphs: dict[tuple, _TorchGraph] = {}
         self._packed: onednn.PackedModel | None = None  # the model with its linears on oneDNN, on a CPU
 

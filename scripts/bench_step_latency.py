@@ -13,8 +13,10 @@ step of the block does work): the block's refresh forward, then 31 steps of the 
   tokens/s, and compile or capture time;
 - the HBM floor: the weights' bytes over the device-to-device copy bandwidth measured in this run,
   the time a step cannot beat if it reads every weight once;
-- the unmask step on the block's logits [1, 32, vocab]: the torch reference against the Triton
-  kernels (two kernels, and the fused one TensorRT's plugin runs), greedy and sampled.
+- the unmask step on the block's logits [batch, 32, vocab] (`--batches`, default 1): the torch reference
+  (float32 logits), the torch step on bf16 logits by slices, and the Triton kernels (two kernels, the
+  fused one TensorRT's plugin runs, the vocabulary-split ones on float32 and on bf16), greedy and at
+  temperature 0.8. `--unmask-only --batches 1,64` times only these (gpu_check.sh's unmask step).
 
 Every part is timed on its own and a failure is recorded in its row, so one broken mode does not
 cost the others. Sized for under 8 minutes on one H200.
@@ -38,7 +40,7 @@ from rich.table import Table
 from dlmrt.core import atomic
 from dlmrt.export import models
 from dlmrt.export.models import SpecialTokens
-from dlmrt.plugins.parallel_unmask import MEASURE_CODES, UnmaskParams, parallel_unmask
+from dlmrt.plugins.parallel_unmask import MEASURE_CODES, UnmaskParams, chunked, parallel_unmask
 from dlmrt.runtime import GenerationSettings, Generator, Threshold
 
 SHAPES = {
@@ -50,6 +52,10 @@ SHAPES = {
 BASE = {"architectures": ["LLaDAModelLM"], "model_type": "llada", "rope_theta": 500000.0, "block_type": "llama",
         "activation_type": "silu", "layer_norm_type": "rms", "rope": True, "alibi": False, "weight_tying": False}
 PROMPT, BLOCK = 512, 32
+
+
+def gpu_name(device: torch.device) -> str | None:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else None
 
 
 def synchronize(device: torch.device) -> None:
@@ -102,59 +108,89 @@ def decode_rows(model, modes: list[str], ks: list[int], repeats: int, console: C
     return rows
 
 
-def unmask_rows(vocab: int, device: torch.device, repeats: int) -> list[dict]:
-    generator = torch.Generator(device=device).manual_seed(0)
-    logits = torch.randn(1, BLOCK, vocab, device=device, generator=generator)
-    ids = torch.full((1, BLOCK), vocab - 1, dtype=torch.long, device=device)
-    positions = torch.arange(PROMPT, PROMPT + BLOCK, device=device)[None]
-    measure = torch.full((1,), MEASURE_CODES["prob"], dtype=torch.long, device=device)
+def unmask_kernels(device: torch.device) -> dict:
+    """name -> (the logits it takes: "fp32" or "bf16", its launch), or name -> the import's error."""
+    def torch_reference(logits, ids, positions, p, measure, sampling):
+        return parallel_unmask(logits, ids, positions, p, mask_id=logits.shape[-1] - 1,
+                               confidence=measure, sampling=sampling)
 
-    def params(temperature: float) -> UnmaskParams:
-        row = dict(dtype=torch.float32, device=device)
-        return UnmaskParams(torch.ones(1, dtype=torch.long, device=device), torch.full((1,), 0.9, **row),
-                            torch.zeros(1, **row), torch.full((1,), temperature, **row),
-                            torch.zeros(1, dtype=torch.long, device=device), torch.zeros(1, dtype=torch.long,
-                                                                                          device=device))
-    kernels = {"torch reference": lambda p, sampling: parallel_unmask(logits, ids, positions, p, mask_id=vocab - 1,
-                                                                      confidence=measure, sampling=sampling)}
-    if device.type == "cuda":
-        try:
-            from dlmrt.plugins.parallel_unmask import triton_kernels
+    def torch_sliced(logits, ids, positions, p, measure, sampling):
+        return chunked.parallel_unmask(logits, ids, positions, p, mask_id=logits.shape[-1] - 1, confidence=measure,
+                                       sampling=sampling)
 
-            kernels["triton, 2 kernels"] = lambda p, sampling: triton_kernels.parallel_unmask(
-                logits, ids, positions, p, vocab - 1, measure)
-            kernels["triton, fused"] = lambda p, sampling: triton_kernels.parallel_unmask(
-                logits, ids, positions, p, vocab - 1, measure, fused=True)
-        except Exception as error:  # noqa: BLE001
-            kernels["triton"] = error
+    kernels = {"torch reference": ("fp32", torch_reference), "torch, bf16 by slices": ("bf16", torch_sliced)}
+    if device.type != "cuda":
+        return kernels
+    try:
+        from dlmrt.plugins.parallel_unmask import split_kernels, triton_kernels
+    except Exception as error:  # noqa: BLE001  (recorded in the rows)
+        return {**kernels, "triton": error}
+
+    def triton_launch(module, **options):
+        return lambda logits, ids, positions, p, measure, sampling: module.parallel_unmask(
+            logits, ids, positions, p, logits.shape[-1] - 1, measure, **options)
+    return {**kernels, "triton, 2 kernels": ("fp32", triton_launch(triton_kernels)),
+            "triton, fused": ("fp32", triton_launch(triton_kernels, fused=True)),
+            "triton, split": ("fp32", triton_launch(split_kernels)),
+            "triton, split, bf16": ("bf16", triton_launch(split_kernels))}
+
+
+def unmask_rows(vocab: int, device: torch.device, repeats: int, batches: list[int]) -> list[dict]:
+    """Each kernel on the logits [batch, 32, vocab] of every batch, greedy and at temperature 0.8: the
+    median µs and whether its ids and commits are the torch reference's on the same (bf16, upcast) logits."""
+    kernels = unmask_kernels(device)
     rows = []
-    reference = {}
-    for name, kernel in kernels.items():
+    for batch in batches:
+        generator = torch.Generator(device=device).manual_seed(0)
+        bf16 = torch.randn(batch, BLOCK, vocab, device=device, generator=generator).to(torch.bfloat16)
+        logits = {"bf16": bf16, "fp32": bf16.float()}
+        ids = torch.full((batch, BLOCK), vocab - 1, dtype=torch.long, device=device)
+        positions = torch.arange(PROMPT, PROMPT + BLOCK, device=device).expand(batch, BLOCK).contiguous()
+        measure = torch.full((batch,), MEASURE_CODES["prob"], dtype=torch.long, device=device)
         for temperature in (0.0, 0.8):
-            row = {"kernel": name, "temperature": temperature}
-            if isinstance(kernel, Exception):
-                row["error"] = f"{type(kernel).__name__}: {kernel}"
+            row_of = dict(dtype=torch.float32, device=device)
+            p = UnmaskParams(torch.ones(batch, dtype=torch.long, device=device), torch.full((batch,), 0.9, **row_of),
+                             torch.zeros(batch, **row_of), torch.full((batch,), temperature, **row_of),
+                             torch.arange(batch, device=device), torch.zeros(batch, dtype=torch.long, device=device))
+            reference = None
+            for name, kernel in kernels.items():
+                row = {"kernel": name, "batch": batch, "temperature": temperature}
                 rows.append(row)
-                continue
-            try:
-                p = params(temperature)
-                out = kernel(p, temperature > 0)
-                key = temperature
-                reference.setdefault(key, out)
-                row["same_as_reference"] = bool(torch.equal(out.ids, reference[key].ids)
-                                                and torch.equal(out.commit, reference[key].commit))
-                times = []
-                for _ in range(repeats * 10):
-                    synchronize(device)
-                    started = time.perf_counter()
-                    kernel(p, temperature > 0)
-                    synchronize(device)
-                    times.append(time.perf_counter() - started)
-                row["us"] = 1e6 * statistics.median(times)
-            except Exception as error:  # noqa: BLE001
-                row["error"] = f"{type(error).__name__}: {error}"
-            rows.append(row)
+                if isinstance(kernel, Exception):
+                    row["error"] = f"{type(kernel).__name__}: {kernel}"
+                    continue
+                dtype, launch = kernel
+                row["logits"] = dtype
+
+                def call(launch=launch, x=logits[dtype], p=p, sampling=temperature > 0):
+                    return launch(x, ids, positions, p, measure, sampling)
+                try:
+                    out = call()
+                    reference = reference or out
+                    row["same_as_reference"] = bool(torch.equal(out.ids, reference.ids)
+                                                    and torch.equal(out.commit, reference.commit))
+                    times = []
+                    for _ in range(repeats * 10):
+                        synchronize(device)
+                        started = time.perf_counter()
+                        call()
+                        synchronize(device)
+                        times.append(time.perf_counter() - started)
+                    row["us"] = 1e6 * statistics.median(times)
+                except Exception as error:  # noqa: BLE001
+                    row["error"] = f"{type(error).__name__}: {error}"
     return rows
+
+
+def unmask_table(rows: list[dict], vocab: int) -> Table:
+    table = Table(title=f"unmask step on logits [batch, {BLOCK}, {vocab}]")
+    for column in ("kernel", "logits", "batch", "temperature", "us (median)", "same tokens as the reference"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(row["kernel"], row.get("logits", ""), str(row["batch"]), str(row["temperature"]),
+                      f"{row['us']:.1f}" if "us" in row else f"error: {row.get('error', '')[:60]}",
+                      str(row.get("same_as_reference", "")))
+    return table
 
 
 def main() -> int:
@@ -164,9 +200,20 @@ def main() -> int:
     parser.add_argument("--modes", default=None, help="comma-separated [default: eager,compile,cudagraph on CUDA]")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--unmask-only", action="store_true", help="time only the unmask step's kernels")
+    parser.add_argument("--batches", default="1", help="the unmask step's batch sizes, comma-separated [default: 1]")
     args = parser.parse_args()
     console = Console(width=None if sys.stdout.isatty() else 150)
     device = torch.device(args.device)
+    batches = [int(b) for b in args.batches.split(",")]
+    if args.unmask_only:
+        vocab = SHAPES[args.shape]["vocab_size"]
+        unmask = unmask_rows(vocab, device, args.repeats, batches)
+        console.print(unmask_table(unmask, vocab))
+        if args.json:
+            atomic.write_text(args.json, json.dumps({"shape": args.shape, "device": str(device),
+                                                     "gpu": gpu_name(device), "unmask": unmask}, indent=2))
+        return 0 if all("error" not in row for row in unmask) else 1
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     modes = args.modes.split(",") if args.modes else (["eager", "compile", "cudagraph"] if device.type == "cuda"
                                                        else ["eager", "compile"])
@@ -180,7 +227,7 @@ def main() -> int:
     bandwidth = copy_bandwidth(device)
     floor_ms = 1e3 * weight_bytes / bandwidth
     rows = decode_rows(model, modes, [1, BLOCK], args.repeats, console)
-    unmask = unmask_rows(vocab, device, args.repeats)
+    unmask = unmask_rows(vocab, device, args.repeats, batches)
 
     table = Table(title=f"{args.shape}: batch 1, prompt {PROMPT}, one block of {BLOCK}, dual cache; HBM floor "
                         f"{floor_ms:.2f} ms/step ({weight_bytes / 2**30:.1f} GiB of weights at "
@@ -198,17 +245,10 @@ def main() -> int:
                       f"{row['host_ms_per_step']:.3f}", str(row["nfe"]), str(row["forwards_executed"]),
                       f"{row['compile_s']:.1f}")
     console.print(table)
-    kernels = Table(title=f"unmask step on logits [1, {BLOCK}, {vocab}]")
-    for column in ("kernel", "temperature", "us (median)", "same tokens as the reference"):
-        kernels.add_column(column)
-    for row in unmask:
-        kernels.add_row(row["kernel"], str(row["temperature"]), f"{row['us']:.1f}" if "us" in row else
-                        f"error: {row.get('error', '')[:60]}", str(row.get("same_as_reference", "")))
-    console.print(kernels)
+    console.print(unmask_table(unmask, vocab))
     if args.json:
         atomic.write_text(args.json, json.dumps({"shape": args.shape, "device": str(device),
-                                                 "gpu": torch.cuda.get_device_name(device) if device.type == "cuda"
-                                                 else None, "weight_bytes": weight_bytes,
+                                                 "gpu": gpu_name(device), "weight_bytes": weight_bytes,
                                                  "copy_bandwidth": bandwidth, "floor_ms": floor_ms, "decode": rows,
                                                  "unmask": unmask}, indent=2))
     return 0 if all("error" not in row for row in rows + unmask) else 1

@@ -22,12 +22,16 @@
 #                            400) under CUDA graphs at K = 1, 4 and a whole block (8 xdist workers)
 #   roofline-llada-8b        `dlmrt bench --roofline --device cuda`: each part of LLaDA-8B's step (bf16, dual cache,
 #                            prompt 512, block 32) measured by torch.profiler beside its floor, batch 1 and 8
+#   roofline-llada-8b-fp8    the same with --precision fp8 (docs/fp8.md): the blocks' linears through _scaled_mm,
+#                            batch 1, against the fp8 floor
 #   roofline-llada2.1-mini   the same for LLaDA2.1-mini's shapes (256 experts, top 8; prefix cache), batch 1 and 32
 #   bench-llada2.1-mini-b1, -b32   `dlmrt bench` on LLaDA2.1-mini's shapes under CUDA graphs: tokens/s, ms/step
 #   latency-eager-cudagraph  scripts/bench_step_latency.py on LLaDA-8B shapes (random bf16 weights made on
 #                            the GPU): ms per step at K = 1 and a whole block against the HBM floor, and the
 #                            unmask step's Triton kernels against the torch reference
-#   bench-llada-8b           `dlmrt bench` on LLaDA-8B's shapes, eager vs CUDA graphs
+#   unmask-kernels           the unmask step alone at vocabulary 126,464, batch 1 and 64, greedy and t=0.8: the
+#                            torch reference (fp32, bf16 by slices) and every Triton form (two kernels, fused, split)
+#   bench-llada-8b           `dlmrt bench` on LLaDA-8B's shapes, eager vs CUDA graphs, bf16 and fp8
 #   nccl-tp                  scripts/tp_check.py: the tiny LLaDA and DiffusionGemma split over NCCL ranks (one per GPU,
 #                            at most 2; one GPU runs one NCCL rank and says so), tokens against one process, eager
 #                            and CUDA graphs
@@ -230,6 +234,9 @@ roofline_gpu=$("$python" -c "import torch; print('h100' if 'H100' in torch.cuda.
                2>/dev/null || echo h200)
 step roofline-llada-8b 90 "$python" -m dlmrt.cli bench --roofline --model llada-8b --device cuda --dtype bfloat16 \
     --batch-size 1,8 --input-len 512 --output-len 32 --gpu "$roofline_gpu" --output-json "$work/json/roofline-llada-8b.json"
+step roofline-llada-8b-fp8 60 "$python" -m dlmrt.cli bench --roofline --model llada-8b --device cuda \
+    --dtype bfloat16 --precision fp8 --batch-size 1 --input-len 512 --output-len 32 --gpu "$roofline_gpu" \
+    --output-json "$work/json/roofline-llada-8b-fp8.json"
 step roofline-llada2.1-mini 90 "$python" -m dlmrt.cli bench --roofline --model llada2.1-mini --device cuda \
     --dtype bfloat16 --batch-size 1,32 --input-len 512 --output-len 32 --gpu "$roofline_gpu" \
     --output-json "$work/json/roofline-llada2.1-mini.json"
@@ -240,8 +247,10 @@ for batch in 1 32; do
 done
 step latency-eager-cudagraph 120 "$python" scripts/bench_step_latency.py --modes eager,cudagraph \
     --json "$work/json/latency-eager-cudagraph.json"
+step unmask-kernels 60 "$python" scripts/bench_step_latency.py --unmask-only --batches 1,64 \
+    --json "$work/json/unmask-kernels.json"
 step bench-llada-8b 90 "$python" -m dlmrt.cli bench --model llada-8b --device cuda --dtype bfloat16 \
-    --backend torch:eager,torch:cudagraph --input-len 512 --output-len 32 --num-iters 3 \
+    --backend torch:eager,torch:cudagraph,torch:cudagraph:fp8 --input-len 512 --output-len 32 --num-iters 3 \
     --output-json "$work/json/bench-llada-8b.json"
 step nccl-tp 90 "$python" scripts/tp_check.py --device cuda --ranks 2 --json "$work/json/nccl-tp.json"
 export_dir="$work/tiny-export"
@@ -264,8 +273,8 @@ step latency-compile 180 "$python" scripts/bench_step_latency.py --modes compile
     --json "$work/json/latency-compile.json"
 
 # -- what comes back ----------------------------------------------------------------------------------
-for log in roofline-llada-8b roofline-llada2.1-mini bench-llada2.1-mini-b1 bench-llada2.1-mini-b32 \
-           latency-eager-cudagraph bench-llada-8b nccl-tp backends bench-diffusion-gemma latency-compile; do
+for log in roofline-llada-8b roofline-llada-8b-fp8 roofline-llada2.1-mini bench-llada2.1-mini-b1 bench-llada2.1-mini-b32 \
+           latency-eager-cudagraph unmask-kernels bench-llada-8b nccl-tp backends bench-diffusion-gemma latency-compile; do
     [ -s "$work/logs/$log.log" ] || continue  # the benchmarks' own tables, before the summary
     echo "===== $log (the end of its log)"
     grep -v -E '^  (eager|compile|cudagraph) K=' "$work/logs/$log.log" | tail -n 30

@@ -30,6 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
+from dlmrt.bench.backend_specs import fp8_model, split_case
 from dlmrt.bench.flop_formulas import custom_formulas
 from dlmrt.core.errors import ArgumentError
 from dlmrt.export.models import Denoiser
@@ -70,8 +71,8 @@ class WorkCounts:
 def count_work(kind: str, model: Denoiser, prompts: Sequence[Sequence[int]], settings: GenerationSettings, *,
                export_dir: str | Path | None = None) -> WorkCounts:
     """The counted work of the bench case `kind` (reference, torch:eager, torch:compile, torch:auto,
-    ort) decoding `prompts`, on a backend built as `dlmrt bench` builds the case's: a TorchBackend of
-    `len(prompts)` rows, an OrtBackend over `export_dir` (the case's export of `model`). The reference
+    each with `:fp8`, and ort) decoding `prompts`, on a backend built as `dlmrt bench` builds the case's:
+    a TorchBackend of `len(prompts)` rows, an OrtBackend over `export_dir` (the case's export of `model`). The reference
     loop decodes `settings` as the bench's reference case does: the fixed policy, no cache."""
     if kind == "reference":
         return _count_reference(model, prompts, dataclasses.replace(settings, policy=Fixed(), cache="none"))
@@ -82,12 +83,13 @@ def count_work(kind: str, model: Denoiser, prompts: Sequence[Sequence[int]], set
 
         # threads that do not spin after a run, which would slow a case timed right after this count
         return _count_ort(OrtBackend(export_dir, spinning=False), prompts, settings)
-    name, _, mode = kind.partition(":")
+    name, _, case = kind.partition(":")
+    mode, precision = split_case(case)
     resolved = resolve_mode(mode or "auto", model.device) if name == "torch" else None
     if resolved not in ("eager", "compile"):
         raise ArgumentError(f"cannot count the case {kind!r}: counted cases are reference, torch:eager, "
-                            f"torch:compile, torch:auto (eager or compile) and ort")
-    backend = TorchBackend(model, mode=resolved, max_batch=len(prompts))
+                            f"torch:compile, torch:auto (eager or compile), each with :fp8, and ort")
+    backend = TorchBackend(fp8_model(model) if precision == "fp8" else model, mode=resolved, max_batch=len(prompts))
     if resolved == "compile":
         return _count_compiled(backend, prompts, settings)
     return _count_eager(backend, prompts, settings)

@@ -22,7 +22,10 @@ from dlmrt.bench.meta_kernels import check_moe_dtype, fused_attention, moe_layer
 from dlmrt.bench.op_costs import Cost, OpCosts
 from dlmrt.bench.step_case import StepCase, step_graph, step_inputs, step_shapes
 from dlmrt.bench.step_scopes import GroupScopes, row_name
+from dlmrt.core.errors import ArgumentError
 from dlmrt.export.models import Denoiser
+from dlmrt.runtime import fp8_linear
+from dlmrt.runtime.fp8_linear import Fp8Linear
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,13 @@ class Roofline:
     rows: dict[str, Cost]  # in the order the step first runs them
     weights_bytes: int  # every weight's bytes, once
     top_k: int | None  # experts a token chooses (MoE models)
+    precision: str = ""  # "fp8" where the blocks' linears run in FP8 (runtime/fp8_linear.py), else ""
+
+    @property
+    def label(self) -> str:
+        """The model's dtype, and the linears' precision where it differs."""
+        dtype = str(self.dtype).removeprefix("torch.")
+        return f"{dtype}, {self.precision} linears" if self.precision else dtype
 
     @property
     def total(self) -> Cost:
@@ -72,4 +82,19 @@ def count_step(model: Denoiser, case: StepCase) -> Roofline:
         with OpCosts(lambda op: row_name(scopes.current, op), list(model.state_dict().values()), top_k or 1) as costs:
             graph(**inputs)
     stored = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in model.state_dict().values()}
-    return Roofline(model.name, model.dtype, case, dict(costs.rows), sum(stored.values()), top_k)
+    precision = "fp8" if any(isinstance(m, Fp8Linear) for m in model.modules()) else ""
+    return Roofline(model.name, model.dtype, case, dict(costs.rows), sum(stored.values()), top_k, precision)
+
+
+def in_precision(model: Denoiser, precision: str | None) -> Denoiser:
+    """`model` (on the meta device, or one a profile measures) with its blocks' linears in `precision`: None
+    leaves it as it is, fp8 swaps them in place for FP8 linears (`fp8_linear.quantize_model`)."""
+    if precision is None:
+        return model
+    if precision != "fp8":
+        raise ArgumentError(f"unknown precision {precision!r} for a roofline: give fp8, or none for the model's dtype")
+    if moe_layers(model):
+        raise ArgumentError(f"the fp8 roofline counts dense models: {model.name}'s routed experts run as bfloat16 "
+                            f"grouped GEMMs here; drop --precision fp8")
+    fp8_linear.quantize_model(model, "scaled_mm" if model.device.type == "meta" else None)
+    return model

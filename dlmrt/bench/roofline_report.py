@@ -39,8 +39,9 @@ def run(meta: Denoiser, gpu: Gpu, batch_sizes: Sequence[int], *, input_len: int,
                 measured = profile_step(measured_on, case)
         console.print(rows_table(roofline, gpu, measured))
         results.append(case_dict(roofline, gpu, measured))
-    console.print(summary_table(results, meta.name, gpu))
+    console.print(summary_table(results, f"{meta.name} {roofline.label}" if roofline.precision else meta.name, gpu))
     document = {"format_version": ROOFLINE_FORMAT_VERSION, "model": meta.name, "dtype": str(meta.dtype),
+                "precision": roofline.precision or None,
                 "gpu": {"name": gpu.name, "label": gpu.label, "bandwidth": gpu.bandwidth,
                         "bf16_flops": gpu.bf16_flops, "fp8_flops": gpu.fp8_flops, "fp32_flops": gpu.fp32_flops},
                 "cases": results}
@@ -71,8 +72,7 @@ def case_dict(roofline: Roofline, gpu: Gpu, measured: dict[str, float] | None) -
 
 def rows_table(roofline: Roofline, gpu: Gpu, measured: dict[str, float] | None) -> Table:
     floor = roofline.floor_s(gpu)
-    table = Table(title=f"{roofline.model} {str(roofline.dtype).removeprefix('torch.')}: {roofline.case.describe()}; "
-                        f"floors on {gpu.label}")
+    table = Table(title=f"{roofline.model} {roofline.label}: {roofline.case.describe()}; floors on {gpu.label}")
     table.caption = on(gpu)
     for header in ("row", "ops", "read MB", "written MB", "GFLOP", "floor µs", "share",
                    *(("measured µs", "measured / floor") if measured is not None else ())):

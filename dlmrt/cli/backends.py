@@ -44,8 +44,7 @@ def open_backend(backend: str, model_dir: Path | None, *, dtype: str, mode: str,
     (without it, auto is TorchBackend's: eager on a CPU)."""
     if backend != "torch" and mode != "auto":
         raise click.UsageError(f"--mode applies to --backend torch; --backend {backend} runs its own way")
-    if backend != "trt" and (engines is not None or precision is not None):
-        raise click.UsageError("--engines and --precision apply to --backend trt")
+    check_precision(backend, precision, engines, parallel=parallel is not None)
     if backend == "ort":
         require_onnx_extra()
         from dlmrt.core.home import home
@@ -79,11 +78,29 @@ def open_backend(backend: str, model_dir: Path | None, *, dtype: str, mode: str,
     if parallel is not None:
         plan, ranks = parallel
         plan.apply(model, ranks).to(device)
+    if precision == "fp8":  # on the device it runs on: the kernel and its output dtype depend on it
+        from dlmrt.runtime import fp8_linear
+
+        fp8_linear.quantize_model(model)
     if backend == "torch" and mode == "auto" and device == "cpu" and work is not None:
         from dlmrt.runtime import cpu_mode
 
         mode = cpu_mode.auto_mode(model, work(model))
     return model, (TorchBackend(model, mode=mode, max_batch=max_batch) if backend == "torch" else None)
+
+
+def check_precision(backend: str, precision: str | None, engines: Path | None, *, parallel: bool) -> None:
+    """--precision picks a stored engine for trt, and for torch runs the blocks' linears in fp8."""
+    if backend == "torch" and precision not in (None, "fp8"):
+        raise click.UsageError(f"--precision {precision} with --backend torch: torch runs fp8 (the blocks' linear "
+                               f"layers), or the model's --dtype without --precision (--dtype bfloat16 for bf16)")
+    if backend == "torch" and precision == "fp8" and parallel:
+        raise click.UsageError("--precision fp8 runs the model on one device: drop --tp/--ep, or --precision")
+    if backend == "ort" and precision is not None:
+        raise click.UsageError("--precision applies to --backend trt and torch; for ONNX Runtime quantize the "
+                               "export: dlmrt export --precision int8")
+    if backend != "trt" and engines is not None:
+        raise click.UsageError("--engines applies to --backend trt")
 
 
 def ensure_exported(model_dir: Path, dtype: str, console) -> Path:

@@ -26,6 +26,7 @@ import click
 
 from dlmrt.bench import gate as bench_gate
 from dlmrt.bench import suite as bench_suite
+from dlmrt.bench.backend_specs import TORCH_SPEC, fp8_model, split_case, torch_case
 from dlmrt.bench.machine import machine_class
 from dlmrt.core import file_reads, limits
 from dlmrt.bench.suite import Scenario
@@ -35,7 +36,6 @@ from dlmrt.cli.types import BATCH_SIZES, FLOAT32, LENGTH
 from dlmrt.core.errors import ArgumentError
 
 BENCH_FORMAT_VERSION = 1
-TORCH_MODES = ("eager", "compile", "cudagraph", "auto")
 POLICIES = ("fixed", "threshold", "factor", "llada2", "entropy_bound")
 # The results table's width where the output is no terminal (on a terminal, the terminal's): the
 # default table fits 100 columns, the --wide one about 170.
@@ -44,22 +44,22 @@ COMMANDLINE = click.core.ParameterSource.COMMANDLINE
 
 
 def parse_backends(spec: str) -> list[tuple[str, str | None]]:
-    """`torch:eager,ort,ort:int8,reference` -> [("torch", "eager"), ("ort", None), ("ort", "int8"),
-    ("reference", None)]: an ort case with a precision runs the export quantized for a CPU (`dlmrt export
-    --precision`)."""
+    """`torch:eager,torch:fp8,ort,ort:int8,reference` -> [("torch", "eager"), ("torch", "auto:fp8"), ("ort", None),
+    ("ort", "int8"), ("reference", None)]: a torch case with fp8 runs the blocks' linears in FP8, an ort case with
+    a precision the export quantized for a CPU (`dlmrt export --precision`)."""
     from dlmrt.export.cpu_quantized import PRECISIONS
 
     found = []
     for part in (p.strip() for p in spec.split(",")):
         name, _, mode = part.partition(":")
-        if name == "torch" and (mode or "auto") in TORCH_MODES:
-            found.append(("torch", mode or "auto"))
+        if name == "torch" and torch_case(mode) is not None:
+            found.append(("torch", torch_case(mode)))
         elif name == "ort" and (not mode or mode in PRECISIONS):
             found.append((name, mode or None))
         elif name == "reference" and not mode:
             found.append((name, None))
         else:
-            raise click.BadParameter(f"unknown backend {part!r}: give torch[:{'|'.join(TORCH_MODES)}], "
+            raise click.BadParameter(f"unknown backend {part!r}: give {TORCH_SPEC}, "
                                      f"ort[:{'|'.join(PRECISIONS)}] or reference, comma-separated",
                                      param_hint="--backend")
     if len(set(found)) != len(found):
@@ -103,9 +103,10 @@ SCENARIO_OPTIONS = ("model_name", "backend_spec", "batch_size", "input_len", "ou
              help="A model directory, or a random-weight config: llada-512x6, llada-1024x8, llada-8b (for a GPU), "
                   "llada2-moe-small, llada2.1-mini (for a GPU) [default: the tiny model].")
 @click.option("--backend", "backend_spec", default="torch:eager", show_default=True,
-              metavar="torch[:MODE],ort[:PRECISION],reference",
+              metavar="torch[:MODE][:fp8],ort[:PRECISION],reference",
               help="Backends and modes compared side by side, comma-separated; the first is the baseline of the "
-                   "speed ratios. ort:int8, ort:int4 and ort:int8-dynamic run the export quantized for a CPU.")
+                   "speed ratios. torch:fp8 and torch:cudagraph:fp8 run the blocks' linears in FP8 (docs/fp8.md); "
+                   "ort:int8, ort:int4 and ort:int8-dynamic run the export quantized for a CPU.")
 @click.option("--batch-size", type=BATCH_SIZES, default="1", show_default=True,
               help="Rows of the batch; with --roofline, a comma-separated list (1,8,64).")
 @click.option("--input-len", type=LENGTH, default=32, show_default=True, help="Prompt tokens.")
@@ -153,19 +154,24 @@ SCENARIO_OPTIONS = ("model_name", "backend_spec", "batch_size", "input_len", "ou
               "floor on --gpu, per --batch-size; with --device given, also measured there (docs/roofline.md).")
 @click.option("--gpu", "gpu_name", default=None, metavar="NAME", help="With --roofline: h100, h200 (4.2 TB/s "
               "measured), h200-nominal, rtx5090 or b200 [default: h200].")
+@click.option("--precision", type=click.Choice(("fp8",)), default=None, help="With --roofline: the blocks' linears "
+              "in FP8 (timed cases name it in --backend: torch:cudagraph:fp8) [default: the model's --dtype].")
 @click.pass_context
 @reports_errors
 def bench_command(ctx, wide, output_json, suite, scenario_names, baseline, check, update_baseline, summary, junit,
-                  history, plot_path, roofline, gpu_name, **options):
+                  history, plot_path, roofline, gpu_name, precision, **options):
     """Latency and throughput of generate: tokens/s, TPF, NFE, latency per request and per step."""
     import time
 
     from rich.console import Console
 
     if roofline:
-        return run_roofline(ctx, options, gpu_name or "h200", output_json)
+        return run_roofline(ctx, options, gpu_name or "h200", output_json, precision)
     if gpu_name is not None:
         raise click.UsageError("--gpu names the GPU of a roofline's floors: it needs --roofline")
+    if precision is not None:
+        raise click.UsageError("--precision applies to --roofline: a timed case names fp8 in --backend, as "
+                               "torch:cudagraph:fp8")
     if len(options["batch_size"]) > 1:
         raise click.UsageError("a list of batch sizes needs --roofline: a timed scenario runs one batch size")
     options["batch_size"] = options["batch_size"][0]
@@ -238,25 +244,28 @@ def bench_command(ctx, wide, output_json, suite, scenario_names, baseline, check
 
 # What --roofline reads; any other option given with it is refused.
 ROOFLINE_OPTIONS = ("model_name", "batch_size", "input_len", "output_len", "block_length", "cache", "dtype", "device",
-                    "output_json", "roofline", "gpu_name")
+                    "output_json", "roofline", "gpu_name", "precision")
 
 
-def run_roofline(ctx: click.Context, options: dict, gpu_name: str, output_json: Path | None) -> None:
+def run_roofline(ctx: click.Context, options: dict, gpu_name: str, output_json: Path | None,
+                 precision: str | None) -> None:
     """`--roofline` (dlmrt.bench.roofline_report); with --device given, the step is also measured there."""
     from rich.console import Console
 
     from dlmrt.bench import hardware, roofline_report
     from dlmrt.bench.models import meta_model
+    from dlmrt.bench.roofline import in_precision
 
     source = ctx.get_parameter_source
     given = [p.name for p in ctx.command.params if p.name not in ROOFLINE_OPTIONS and source(p.name) == COMMANDLINE]
     if given:
         raise click.UsageError(f"--roofline counts one step of the model: drop {option_name(ctx, given[0])}")
     gpu = hardware.gpu(gpu_name)
-    meta = meta_model(options["model_name"], options["dtype"])
+    meta = in_precision(meta_model(options["model_name"], options["dtype"]), precision)
     measured_on = None
     if source("device") == COMMANDLINE:
-        measured_on = open_model(options["model_name"], str(meta.dtype).removeprefix("torch."), options["device"])
+        measured_on = in_precision(open_model(options["model_name"], str(meta.dtype).removeprefix("torch."),
+                                              options["device"]), precision)
     roofline_report.run(meta, gpu, options["batch_size"], input_len=options["input_len"],
                         output_len=options["output_len"], block_length=options["block_length"], cache=options["cache"],
                         console=Console(width=None if sys.stdout.isatty() else WIDE_TABLE_WIDTH),
@@ -356,6 +365,7 @@ def make_cases(model, backends, prompts, settings, scratch: Path, console, ort_t
     from dlmrt.runtime.torch_backend import TorchBackend
 
     tokens: dict[str, str] = {}
+    quantized: dict[str, object] = {}  # the model in each precision a torch case names, made once
 
     def keep(label: str, generated) -> None:
         tokens[label] = token_hash(generated)
@@ -375,12 +385,17 @@ def make_cases(model, backends, prompts, settings, scratch: Path, console, ort_t
             cases.append(Case(label, run))
             continue
         if name == "torch":
+            mode, precision = split_case(mode)
+            if precision and precision not in quantized:
+                quantized[precision] = fp8_model(model)
+            case_model = quantized[precision] if precision else model
             if mode == "auto" and model.device.type == "cpu":
                 from dlmrt.runtime import cpu_mode
 
-                mode = cpu_mode.auto_mode(model, cpu_mode.work_of(model, settings, prompts, len(prompts), runs))
+                mode = cpu_mode.auto_mode(case_model, cpu_mode.work_of(case_model, settings, prompts, len(prompts),
+                                                                       runs))
                 console.print(f"{label} runs {mode} on this CPU for this work")
-            generator = Generator(TorchBackend(model, mode=mode, max_batch=len(prompts)))
+            generator = Generator(TorchBackend(case_model, mode=mode, max_batch=len(prompts)))
         else:
             from dlmrt.cli.errors import require_onnx_extra
 

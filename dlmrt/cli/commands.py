@@ -27,7 +27,7 @@ from dlmrt.cli.types import FLOAT32, LENGTH
 from dlmrt.cli.bench import bench_command
 from dlmrt.cli.serve import serve_command
 from dlmrt.cli.engines import build_command, inspect_command
-from dlmrt.cli.backends import BACKENDS, open_backend
+from dlmrt.cli.backends import BACKENDS, check_precision, open_backend
 from dlmrt.runtime.policy_registry import LLADA21_PRESETS, POLICIES
 
 if TYPE_CHECKING:
@@ -181,7 +181,9 @@ def backend_options(command):
              "onnxruntime-gpu is installed), else the CPU. trt runs on the GPU.")(command)
     command = click.option(
         "--precision", type=click.Choice(("bf16", "fp16", "fp8", "nvfp4")), default=None,
-        help="trt backend: which stored engine to run [default: this GPU's default precision].")(command)
+        help="trt backend: which stored engine to run [default: this GPU's default precision]; torch backend: "
+             "fp8 runs the transformer blocks' linear layers in FP8 (e4m3, scaled per channel and per token; "
+             "docs/fp8.md) [default: the model's --dtype].")(command)
     return click.option("--engines", type=click.Path(path_type=Path), default=None,
                         help="trt backend: the engine store [default: $DLMRT_HOME/engines].")(command)
 
@@ -223,6 +225,7 @@ def generate(model_dir, prompts, prompt_ids, ignore_eos, backend, mode, max_batc
         return run(None)
     from dlmrt.parallel import launch
 
+    check_precision(backend, precision, engines, parallel=True)
     plan, rank_device = checked_plan(tp, ep, backend, model_dir, dtype, device)
     if launch.launched_by_torchrun():
         return launch.run_as_launched_rank(_generate_on_rank, (plan, run), device=rank_device)

@@ -48,6 +48,13 @@ SIGNATURES = {
         "V", "mask_id", "new_ids", "confidence")},
     "commit_kernel": {name: _PARALLEL_UNMASK[name] for name in (
         "ids", "count", "threshold", "factor", "W", "mask_id", "new_ids", "confidence", "commit", "committed")},
+    "split_kernel": {**{name: _PARALLEL_UNMASK[name] for name in (
+        "logits", "ids", "positions", "seed", "step", "temperature", "edit_threshold", "editable", "W", "V")},
+        "S": "i32", "span": "i32", "mask_id": "i32", "stats": "*fp32", "index": "*i32", "sampled": "*fp64"},
+    "merge_kernel": {**{name: _PARALLEL_UNMASK[name] for name in (
+        "logits", "ids", "positions", "seed", "step", "temperature", "measure", "edit_threshold", "editable", "W",
+        "V")}, "S": "i32", "mask_id": "i32", "stats": "*fp32", "index": "*i32", "sampled": "*fp64",
+        "new_ids": "*i64", "confidence": "*fp32"},
     "residual_kernel": {"logits": "*fp32", "embedding": "*fp32", "N": "i32", "V": "i32", "H": "i32", "z": "*fp32",
                         "certainty": "*fp32"},
     **entropy_bound_kernels.SIGNATURES,
@@ -55,6 +62,7 @@ SIGNATURES = {
 # The module holding each kernel and its CONFIGS.
 MODULES = {**dict.fromkeys(("parallel_unmask_kernel", "position_kernel", "commit_kernel"),
                            "dlmrt.plugins.parallel_unmask.triton_kernels"),
+           **dict.fromkeys(("split_kernel", "merge_kernel"), "dlmrt.plugins.parallel_unmask.split_kernels"),
            "residual_kernel": "dlmrt.plugins.residual_context.triton_kernels",
            **dict.fromkeys(entropy_bound_kernels.SIGNATURES, "dlmrt.plugins.entropy_bound.triton_kernels")}
 

@@ -15,7 +15,10 @@ Kernels (the semantics are `reference.py`; the tests hold them to it):
   `commit` and `committed`.
 - `parallel_unmask_kernel`: both in one launch, one program per row. TensorRT's AOT plugin
   launches a single kernel, so the engine runs this one; its arguments are ordered as the plugin
-  passes them (the node's inputs, the extra scalars, the outputs).
+  passes them (the node's inputs, the extra scalars, the outputs). It is slow at a large vocabulary
+  (docs/gpu-runs.md: 3240 µs greedy on [1, 32, 126464] against the two kernels' 290): one program, on
+  one SM, reads the row's W positions one after another, and samples in float64 on that SM alone.
+  No torch path runs it; `split_kernels` is the form that spreads a position over programs.
 
 The random numbers are the reference's counter-based hash in uint32 arithmetic, bit for bit.
 Tile sizes are compile-time constants and every loop runs over the actual W and V, so one compiled
@@ -138,6 +141,25 @@ def _sample(row, V, end, mask_id, row_hash, temperature, BLOCK_V: tl.constexpr):
 
 
 @triton.jit
+def _store_prediction(picked, x0, m, s, t, best, second, reads, V, code, row_hash, is_masked, may_edit, old, edit_tau,
+                      new_ids, confidence, i):
+    """Position i's token and confidence from its softmax statistics: running max m, sum s of exp(x - m), t of
+    (x - m) * exp(x - m), the two best logits and the picked token x0's logit, all float32."""
+    m = tl.where(reads, m, 0.0)
+    log_s = tl.log(tl.where(reads, s, 1.0))
+    prob = tl.exp((picked - m) - log_s)
+    margin = tl.exp((best - m) - log_s) - tl.exp((second - m) - log_s)
+    entropy = log_s - t / tl.exp(log_s)
+    certainty = 1.0 - entropy / tl.log(V.to(tl.float64)).to(tl.float32)
+    conf = tl.where(code == _PROB, prob,
+                    tl.where(code == _MARGIN, margin,
+                             tl.where(code == _ENTROPY, certainty, _random_confidence(row_hash))))
+    edited = may_edit & (x0.to(tl.int64) != old) & (prob >= edit_tau)
+    tl.store(new_ids + i, tl.where(is_masked | edited, x0.to(tl.int64), old))
+    tl.store(confidence + i, tl.where(is_masked, conf, float("-inf")))
+
+
+@triton.jit
 def _unmask_position(logits, ids, positions, seed, step, temperature, measure, edit_threshold, editable, new_ids,
                      confidence, b, i, V, mask_id, BLOCK_V: tl.constexpr):
     """Candidate and confidence of the position at flat index i (row b): for a masked position x0 goes
@@ -175,19 +197,8 @@ def _unmask_position(logits, ids, positions, seed, step, temperature, measure, e
     if temp > 0:
         x0 = _sample(row, V, end, mask_id, row_hash, temp, BLOCK_V)
 
-    m = tl.where(reads, m, 0.0)
-    log_s = tl.log(tl.where(reads, s, 1.0))
-    prob = tl.exp((tl.load(row + x0) - m) - log_s)
-    margin = tl.exp((best - m) - log_s) - tl.exp((second - m) - log_s)
-    entropy = log_s - t / tl.exp(log_s)
-    certainty = 1.0 - entropy / tl.log(V.to(tl.float64)).to(tl.float32)
-    code = tl.load(measure + b)
-    conf = tl.where(code == _PROB, prob,
-                    tl.where(code == _MARGIN, margin,
-                             tl.where(code == _ENTROPY, certainty, _random_confidence(row_hash))))
-    edited = may_edit & (x0.to(tl.int64) != old) & (prob >= edit_tau)
-    tl.store(new_ids + i, tl.where(is_masked | edited, x0.to(tl.int64), old))
-    tl.store(confidence + i, tl.where(is_masked, conf, float("-inf")))
+    _store_prediction(tl.load(row + x0), x0, m, s, t, best, second, reads, V, tl.load(measure + b), row_hash,
+                      is_masked, may_edit, old, edit_tau, new_ids, confidence, i)
 
 
 # -- one row's commit --------------------------------------------------------------------------
@@ -300,15 +311,13 @@ def _block(size: int, limit: int, floor: int = 16) -> int:
     return max(floor, min(limit, triton.next_power_of_2(size)))
 
 
-def parallel_unmask(logits: Tensor, ids: Tensor, positions: Tensor, params: UnmaskParams, mask_id: int,
-                    measure_codes: Tensor, *, edits: EditParams | None = None, fused: bool = False,
-                    block_v: int | None = None, block_w: int | None = None) -> UnmaskResult:
-    """One `dlmrt::ParallelUnmask` step (reference.parallel_unmask): logits [B, W, V] float32, ids and
-    positions [B, W] int64, params [B] each, measure_codes [B] int64 (MEASURE_CODES), `edits` as the
-    reference's (None: no editing). `fused` runs the single kernel TensorRT's plugin runs; `block_v` /
-    `block_w` override the tile sizes."""
+def check_inputs(logits: Tensor, ids: Tensor, positions: Tensor, params: UnmaskParams, mask_id: int,
+                 measure_codes: Tensor, edits: EditParams | None, dtypes: tuple[torch.dtype, ...] = (torch.float32,)
+                 ) -> EditParams:
+    """Each input's shape, dtype and device, or the one KernelInputError that names it; the edits to pass
+    (none: editing off)."""
     _check(isinstance(logits, Tensor) and logits.dim() == 3, "logits must be a [B, W, V] tensor")
-    _check(logits.dtype == torch.float32, f"logits must be torch.float32, got {logits.dtype}")
+    _check(logits.dtype in dtypes, f"logits must be {' or '.join(map(str, dtypes))}, got {logits.dtype}")
     batch, width, vocab = logits.shape
     device = logits.device
     _check(width >= 1 and vocab >= 2, f"logits [B, W, V] need W >= 1 and V >= 2, got {list(logits.shape)}")
@@ -328,7 +337,19 @@ def parallel_unmask(logits: Tensor, ids: Tensor, positions: Tensor, params: Unma
     _check_tensor("edit threshold", edits.threshold, (batch,), torch.float32, device)
     _check_tensor("editable", edits.editable, (batch, width), torch.bool, device)
     _check_device(device)
+    return edits
 
+
+def parallel_unmask(logits: Tensor, ids: Tensor, positions: Tensor, params: UnmaskParams, mask_id: int,
+                    measure_codes: Tensor, *, edits: EditParams | None = None, fused: bool = False,
+                    block_v: int | None = None, block_w: int | None = None) -> UnmaskResult:
+    """One `dlmrt::ParallelUnmask` step (reference.parallel_unmask): logits [B, W, V] float32, ids and
+    positions [B, W] int64, params [B] each, measure_codes [B] int64 (MEASURE_CODES), `edits` as the
+    reference's (None: no editing). `fused` runs the single kernel TensorRT's plugin runs; `block_v` /
+    `block_w` override the tile sizes."""
+    edits = check_inputs(logits, ids, positions, params, mask_id, measure_codes, edits)
+    batch, width, vocab = logits.shape
+    device = logits.device
     logits, ids, positions, measure_codes = (t.contiguous() for t in (logits, ids, positions, measure_codes))
     count, threshold, factor, temperature, seed, step = (t.contiguous() for t in params)
     edit_threshold, editable = (t.contiguous() for t in edits)
@@ -356,5 +377,5 @@ def parallel_unmask(logits: Tensor, ids: Tensor, positions: Tensor, params: Unma
     return UnmaskResult(new_ids, confidence, commit, committed)
 
 
-__all__ = ["CONFIGS", "LaunchConfig", "commit_kernel", "interpreted", "parallel_unmask", "parallel_unmask_kernel",
-           "position_kernel"]
+__all__ = ["CONFIGS", "LaunchConfig", "check_inputs", "commit_kernel", "interpreted", "parallel_unmask",
+           "parallel_unmask_kernel", "position_kernel"]

@@ -75,7 +75,7 @@ def test_a_named_random_config_needs_no_download(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--backend", "tensorflow"], "unknown backend 'tensorflow'"),
     (["--backend", "torch:fast"], "unknown backend 'torch:fast'"),
-    (["--backend", "ort:int3"], "unknown backend 'ort:int3': give torch[:eager|compile|cudagraph|auto], "
+    (["--backend", "ort:int3"], "unknown backend 'ort:int3': give torch[:eager|compile|cudagraph|auto][:fp8], "
                                 "ort[:int8|int4|int8-dynamic] or reference"),
     (["--backend", "torch,torch:auto"], "names a backend twice"),
     (["--model", "llada-9000"], "is neither a model directory nor a random config"),
@@ -141,7 +141,7 @@ def test_the_gate_fails_a_slowdown_that_repeats(suite, monkeypatch, tmp_path):
     run = TorchBackend.run
 
     def slow_run(self, *args, **kwargs):  # redundant work on every step: a regression of the loop
-        time.sleep(0.2)  # far beyond the noise of a loaded machine (the tests run two at a time)
+        time.sleep(0.05)  # tens of times a tiny step: far beyond the noise of a loaded machine
         return run(self, *args, **kwargs)
 
     monkeypatch.setattr(TorchBackend, "run", slow_run)

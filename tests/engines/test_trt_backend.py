@@ -133,7 +133,9 @@ def test_missing_tensorrt_names_the_extra(tiny_export, store):
 
 @pytest.mark.parametrize("command", [["generate", "--prompt", "add:1+2="], ["eval", "--per-task", "1"]])
 @pytest.mark.parametrize("arguments, message", [
-    (["--engines", "x"], "--engines and --precision apply to --backend trt"),
+    (["--engines", "x"], "--engines applies to --backend trt"),
+    (["--precision", "nvfp4"], "--precision nvfp4 with --backend torch"),
+    (["--backend", "ort", "--precision", "fp8"], "--precision applies to --backend trt and torch"),
     (["--backend", "trt"], "--backend trt needs --model EXPORT_DIR"),
     (["--backend", "ort", "--mode", "eager"], "--mode applies to --backend torch"),
     (["--backend", "trt", "--model", ".", "--device", "cpu"], "--backend trt runs on the GPU"),
