@@ -281,7 +281,7 @@ def test_the_tiny_model_warns_once_off_its_trained_length(capsys, gen_length, wa
     (["generate", "/no/a", "--model", "/no/b", "--prompt", "x"], "give the model once"),
     (["generate", "--prompt", "rev:ABC="], "characters not in its vocabulary"),
     (["bench", "--backend", "tensorrt"],
-     "give torch[:eager|compile|cudagraph|auto], ort[:int8|int4|int8-dynamic] or reference"),
+     "give torch[:eager|compile|cudagraph|auto][:fp8], ort[:int8|int4|int8-dynamic] or reference"),
 ])
 def test_an_ordinary_mistake_is_one_line_that_says_what_to_do(monkeypatch, capsys, argv, advice):
     """Through the installed command's guard: exit status 2, one 'Error:' line with the advice, and never
