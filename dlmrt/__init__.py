@@ -20,7 +20,7 @@ TINY_MODEL_DIR = Path(__file__).parent / "assets" / "tiny-llada"
 TINY_ORL_MODEL_DIR = Path(__file__).parent / "assets" / "tiny-llada-orl"
 
 if TYPE_CHECKING:
-    from dlmrt.export.models import Denoiser
+    from dlmrt.models import Denoiser
 
 
 def load(path: str | Path = TINY_MODEL_DIR, *, dtype: Any = "float32", device: str = "cpu",
@@ -31,7 +31,7 @@ def load(path: str | Path = TINY_MODEL_DIR, *, dtype: Any = "float32", device: s
     dtype: "float32", "bfloat16", "float16", a torch dtype, or "auto" (config.json's).
     mask_id, eos_id, pad_id override the ids found in config.json / generation_config.json.
     """
-    from dlmrt.export.checkpoint import load as load_checkpoint
+    from dlmrt.models.checkpoint import load as load_checkpoint
 
     return load_checkpoint(path, dtype=dtype, device=device, mask_id=mask_id, eos_id=eos_id,
                            pad_id=pad_id)

@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         precisions = [p for p in args.precisions.split(",") if p]
         quantized = {}
         if args.device == "cpu":
-            from dlmrt.engines.quant.cpu_int import quantize_export
+            from dlmrt.quant.cpu_int import quantize_export
             from dlmrt.export.cpu_quantized import PRECISIONS
 
             quantized = {precision: quantize_export(export_dir, Path(scratch) / precision, precision=precision)

@@ -43,8 +43,9 @@ from rich.table import Table
 import dlmrt
 from dlmrt.core import atomic
 from dlmrt.bench.benchmark import Case, environment, measure
-from dlmrt.export import checkpoint, models
-from dlmrt.export.models import SpecialTokens
+from dlmrt import models
+from dlmrt.models import checkpoint
+from dlmrt.models import SpecialTokens
 from dlmrt.runtime import Fixed, GenerationSettings, Generator, Threshold
 
 CONFIG = {

@@ -142,7 +142,7 @@ def train_tokenizer(vocab_size: int):
 def write_checkpoint(directory: Path) -> Path:
     """The benchmark's random LLaDA as a Hugging Face directory both tools read."""
     from dlmrt.bench.models import random_model
-    from dlmrt.export import checkpoint
+    from dlmrt.models import checkpoint
 
     model = random_model(BASE_MODEL)
     model.raw_config["rms_norm_eps"] = LLADA_RMS_NORM_EPS

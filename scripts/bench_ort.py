@@ -26,7 +26,7 @@ from rich.progress import Progress
 import dlmrt
 from dlmrt.core import atomic, tasks
 from dlmrt.bench.benchmark import Case, measure, speed_table
-from dlmrt.export import models
+from dlmrt import models
 from dlmrt.export.onnx_export import export
 from dlmrt.runtime import GenerationSettings, Generator, Threshold, text
 from dlmrt.runtime.ort_backend import OrtBackend

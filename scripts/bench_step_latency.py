@@ -38,9 +38,9 @@ from rich.console import Console
 from rich.table import Table
 
 from dlmrt.core import atomic
-from dlmrt.export import models
-from dlmrt.export.models import SpecialTokens
-from dlmrt.plugins.parallel_unmask import MEASURE_CODES, UnmaskParams, chunked, parallel_unmask
+from dlmrt import models
+from dlmrt.models import SpecialTokens
+from dlmrt.ops.parallel_unmask import MEASURE_CODES, UnmaskParams, chunked, parallel_unmask
 from dlmrt.runtime import GenerationSettings, Generator, Threshold
 
 SHAPES = {
@@ -122,7 +122,7 @@ def unmask_kernels(device: torch.device) -> dict:
     if device.type != "cuda":
         return kernels
     try:
-        from dlmrt.plugins.parallel_unmask import split_kernels, triton_kernels
+        from dlmrt.ops.parallel_unmask import split_kernels, triton_kernels
     except Exception as error:  # noqa: BLE001  (recorded in the rows)
         return {**kernels, "triton": error}
 

@@ -33,8 +33,8 @@ import dlmrt
 from dlmrt.core import atomic, tasks
 from dlmrt.bench.benchmark import Case, measure, speed_table
 from dlmrt.eval.evaluation import exact_match
-from dlmrt.export import models
-from dlmrt.export.models import SpecialTokens
+from dlmrt import models
+from dlmrt.models import SpecialTokens
 from dlmrt.runtime import Fixed, GenerationSettings, Generator, Threshold, reference, text
 
 LARGE_LLADA = {

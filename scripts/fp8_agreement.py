@@ -6,7 +6,7 @@ the tiny trained model's held-out task prompts.
 Each variant decodes every prompt with the same settings (eager TorchBackend):
 
 - float32                the shipped model as it is: the reference;
-- float32, fp8 linears   the blocks' linears in FP8 (runtime/fp8_linear.py), what --precision fp8 runs;
+- float32, fp8 linears   the blocks' linears in FP8 (dlmrt/runtime/fp8_linear.py), what --precision fp8 runs;
 - float32, fp8 + head    the same with the LM head in FP8 too, which --precision fp8 leaves alone;
 - bfloat16               the model cast to bfloat16;
 - bfloat16, fp8 linears  the GPU's configuration: bfloat16 with the blocks' linears in FP8.

@@ -50,7 +50,7 @@
 # step's outcome, the test results, every benchmark's JSON), gpu-tests.xml (JUnit) and logs.tar.gz (the
 # full logs, JUnit files and JSON). Scratch (the export, DLMRT_HOME, compiler caches) stays in a temp dir.
 # Nothing is downloaded: dlmrt is installed with `pip --no-index --no-build-isolation --no-deps -e .`, and
-# where that fails, the tree is put on PYTHONPATH through a folder of links (GPU_CHECK_INSTALL=shim forces it).
+# where that fails, the tree is put on PYTHONPATH (GPU_CHECK_INSTALL=path forces it).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 repo=$PWD
@@ -72,29 +72,23 @@ echo "gpu_check: budget ${budget} s, results in $out, scratch in $work"
 imports_here() {
     "$python" - "$repo" <<'PY' 2>/dev/null
 import pathlib, sys
-import dlmrt, dlmrt.export, dlmrt.runtime, dlmrt.engines, dlmrt.plugins
+import dlmrt, dlmrt.export, dlmrt.runtime, dlmrt.engines, dlmrt.ops
 repo = pathlib.Path(sys.argv[1]).resolve()
-sys.exit(0 if pathlib.Path(dlmrt.export.__file__).resolve().parent == repo / "export" else 1)
+sys.exit(0 if pathlib.Path(dlmrt.__file__).resolve().parent == repo / "dlmrt" else 1)
 PY
 }
 install_dlmrt() {
-    if [ "${GPU_CHECK_INSTALL:-auto}" != shim ]; then
+    if [ "${GPU_CHECK_INSTALL:-auto}" != path ]; then
         if imports_here; then echo "dlmrt: already importable from this tree"; return 0; fi
         if timeout 120 "$python" -m pip install -q --no-deps --no-build-isolation --no-index -e . \
                 > "$work/logs/install.log" 2>&1 && imports_here; then
             echo "dlmrt: installed editable"; return 0
         fi
-        echo "dlmrt: the editable install failed (its log's end below); using a folder of links on PYTHONPATH"
+        echo "dlmrt: the editable install failed (its log's end below); putting this tree on PYTHONPATH"
         tail -n 5 "$work/logs/install.log"
     fi
-    # The package-dir mapping of pyproject.toml (dlmrt.export = export/, ...) as links. PYTHONSAFEPATH
-    # keeps the current directory off sys.path, where ./dlmrt would hide the linked package.
-    local shim="$work/shim/dlmrt" entry
-    mkdir -p "$shim"
-    for entry in "$repo"/dlmrt/*; do ln -s "$entry" "$shim/"; done
-    for entry in export runtime plugins engines; do ln -s "$repo/$entry" "$shim/$entry"; done
-    export PYTHONPATH="$work/shim${PYTHONPATH:+:$PYTHONPATH}" PYTHONSAFEPATH=1
-    if imports_here; then echo "dlmrt: on PYTHONPATH through $work/shim"; return 0; fi
+    export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
+    if imports_here; then echo "dlmrt: on PYTHONPATH from $repo"; return 0; fi
     echo "dlmrt: cannot be imported; the steps below will fail"
     "$python" -c "import dlmrt.export" 2>&1 | tail -n 3
 }

@@ -9,12 +9,12 @@ is decoded by the Generator, with the same settings, as
 - fp32 (torch)    the torch model (TorchBackend): the reference every other row is compared with;
 - bf16 (torch)    the same model cast to bfloat16 (what a bfloat16 checkpoint runs on a CPU by default);
 - fp32 (ORT)      the exported fp32 step graphs in ONNX Runtime (should agree 100%);
-- FP8 (ORT)       the export quantized by nvidia-modelopt's ONNX PTQ (dlmrt.engines.quant.fp8),
+- FP8 (ORT)       the export quantized by nvidia-modelopt's ONNX PTQ (dlmrt.quant.fp8),
                   run by ONNX Runtime's CPU provider;
 - NVFP4 (torch)   the torch model with NVFP4 fake-quantized transformer Linears
-                  (dlmrt.engines.quant.nvfp4.simulate), run by the TorchBackend;
+                  (dlmrt.quant.nvfp4.simulate), run by the TorchBackend;
 - int8 / int4 (ORT) the export's weights quantized by onnxruntime's MatMulNBits quantizer
-                  (dlmrt.engines.quant.cpu_int, `dlmrt export --precision`), uncalibrated, run by
+                  (dlmrt.quant.cpu_int, `dlmrt export --precision`), uncalibrated, run by
                   ONNX Runtime's CPU provider: int8 and int4 in symmetric blocks of 32, and int4 in
                   asymmetric blocks of 128;
 - int8-dynamic (ORT) int8 weights and activations quantized at each call (MatMulInteger).
@@ -22,7 +22,7 @@ is decoded by the Generator, with the same settings, as
 Token agreement is the fraction of generated positions (the whole gen-length, end-of-sequence fill
 included) equal to fp32's. Exact-match: for the tiny model against the task answers (per task and
 mean); for the random model, the fraction of rows whose completion equals fp32's exactly. FP8 and
-NVFP4 are calibrated on step-loop inputs from train-split prompts (dlmrt.engines.quant.calibration).
+NVFP4 are calibrated on step-loop inputs from train-split prompts (dlmrt.quant.calibration).
 """
 
 from __future__ import annotations
@@ -46,12 +46,12 @@ from rich.table import Table
 
 import dlmrt
 from dlmrt.core import atomic, tasks
-from dlmrt.engines.quant.calibration import calibration_feeds
-from dlmrt.engines.quant import cpu_int
-from dlmrt.engines.quant.fp8 import quantize_export
+from dlmrt.quant.calibration import calibration_feeds
+from dlmrt.quant import cpu_int
+from dlmrt.quant.fp8 import quantize_export
 from dlmrt.eval.evaluation import parse_setting
-from dlmrt.export import models
-from dlmrt.export.models import SpecialTokens
+from dlmrt import models
+from dlmrt.models import SpecialTokens
 from dlmrt.export.onnx_export import export
 from dlmrt.runtime import GenerationSettings, Generator, text
 from dlmrt.runtime.ort_backend import OrtBackend
@@ -156,7 +156,7 @@ def exact_match(target: Target, completions: list[list[int]], reference: list[li
 def build_variants(target: Target, scratch: Path, args, progress: Progress) -> tuple[dict[str, Generator], dict]:
     """The generators of a target, after exporting, FP8 quantization, NVFP4 simulation and weight-only
     quantization; the build facts (times, FP8 reports) for the JSON."""
-    from dlmrt.engines.quant import nvfp4
+    from dlmrt.quant import nvfp4
 
     facts: dict = {}
     step = progress.add_task(f"{target.name}: export, FP8, NVFP4", total=5)

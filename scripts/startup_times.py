@@ -65,7 +65,7 @@ def main() -> None:
         raise SystemExit(f"no dlmrt command beside {sys.executable}: run this script with the Python of the "
                          f"environment dlmrt is installed in (e.g. .venv/bin/python)")
     from dlmrt.bench.models import random_model
-    from dlmrt.export import checkpoint
+    from dlmrt.models import checkpoint
 
     with tempfile.TemporaryDirectory() as scratch:
         llada = checkpoint.save(random_model("llada-512x6"), Path(scratch) / "llada-512x6")

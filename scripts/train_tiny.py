@@ -30,8 +30,9 @@ from rich.table import Table
 from dlmrt.core import atomic, tasks
 from dlmrt.core.errors import DlmrtError
 from dlmrt.eval.evaluation import exact_match
-from dlmrt.export import checkpoint, models
-from dlmrt.export.models import SpecialTokens
+from dlmrt import models
+from dlmrt.models import checkpoint
+from dlmrt.models import SpecialTokens
 from dlmrt.orl import supervised
 from dlmrt.runtime import Fixed, GenerationSettings
 

@@ -52,7 +52,8 @@ from rich.table import Table
 
 from dlmrt.core import tasks
 from dlmrt.core.errors import DlmrtError
-from dlmrt.export import checkpoint, models
+from dlmrt import models
+from dlmrt.models import checkpoint
 from dlmrt.runtime import text
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -14,7 +14,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from dlmrt.export import checkpoint  # noqa: E402
+from dlmrt.models import checkpoint  # noqa: E402
 from helpers import LLADA, LLADA2, ORL, Loop, config, random_model  # noqa: E402
 from shared_exports import SharedExports  # noqa: E402
 

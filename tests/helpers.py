@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from dlmrt.core import tasks
-from dlmrt.export import models
-from dlmrt.export.models import SpecialTokens
+from dlmrt import models
+from dlmrt.models import SpecialTokens
 
 TOKENS = SpecialTokens(mask_id=tasks.MASK_ID, eos_ids=(tasks.EOS_ID,), pad_id=tasks.PAD_ID)
 VOCAB = len(tasks.SPECIAL_TOKENS) + len(tasks.ALPHABET)
@@ -180,7 +180,7 @@ def interpret_cases(kernels: str, run_case: Callable, cases_path: str, results_p
     """The worker behind `run_in_interpreter`: run every case with the kernels module `kernels`."""
     assert os.environ.get("TRITON_INTERPRET") == "1"
     module = importlib.import_module(kernels)
-    from dlmrt.plugins.parallel_unmask import triton_kernels
+    from dlmrt.ops.parallel_unmask import triton_kernels
     assert triton_kernels.interpreted()
     cases = torch.load(cases_path, weights_only=False)
     torch.save({name: run_case(module, case) for name, case in cases.items()}, results_path)
@@ -199,8 +199,8 @@ def check_plugin_registration(op: str) -> None:
     """Register the TensorRT plugin of the op package `op` (twice: once counts) and find it in TensorRT's
     registry under its ONNX node's namespace and version; skips where TensorRT is missing."""
     trt = pytest.importorskip("tensorrt", reason="TensorRT is not installed")
-    trt_plugin = importlib.import_module(f"dlmrt.plugins.{op}.trt_plugin")
-    onnx_function = importlib.import_module(f"dlmrt.plugins.{op}.onnx_function")
+    trt_plugin = importlib.import_module(f"dlmrt.ops.{op}.trt_plugin")
+    onnx_function = importlib.import_module(f"dlmrt.ops.{op}.onnx_function")
     trt_plugin.register()
     trt_plugin.register()
     creator = trt.get_plugin_registry().get_creator(onnx_function.OP_TYPE, onnx_function.TENSORRT_PLUGIN_VERSION,

@@ -1,4 +1,4 @@
-"""A plain-Python reference of each decoding rule of `dlmrt.plugins.parallel_unmask`, and the
+"""A plain-Python reference of each decoding rule of `dlmrt.ops.parallel_unmask`, and the
 helpers that build a step's inputs and run it (test_parallel_unmask*.py).
 
 The reference below is written from the rule descriptions only (loops over rows and
@@ -33,7 +33,7 @@ import struct
 import pytest
 import torch
 
-from dlmrt.plugins.parallel_unmask import UnmaskParams, parallel_unmask
+from dlmrt.ops.parallel_unmask import UnmaskParams, parallel_unmask
 from dlmrt.runtime.policies import Factor, Threshold
 
 V = 8  # vocabulary of the crafted tests

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from dlmrt.export import models
-from dlmrt.export.models import SpecialTokens
+from dlmrt import models
+from dlmrt.models import SpecialTokens
 
 PAD, MASK, EOS = 0, 1, 2
 TOKENS = SpecialTokens(MASK, (EOS,), PAD)

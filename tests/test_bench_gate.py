@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from dlmrt.cli.bench import bench_command
-from dlmrt.export.models.layers import RMSNorm
+from dlmrt.models.layers import RMSNorm
 from dlmrt.runtime import device_step, ort_backend
 from dlmrt.runtime.executor import Executor
 from dlmrt.runtime.mask_batch import MaskBatch

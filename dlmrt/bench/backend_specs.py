@@ -3,7 +3,7 @@
     torch_case("cudagraph:fp8")   # "cudagraph:fp8": captured steps over the blocks' linears in FP8
     torch_case("fp8")             # "auto:fp8"
     torch_case("")                # "auto"
-    fp8_model(model)              # the copy of `model` an fp8 case runs (runtime/fp8_linear.py)
+    fp8_model(model)              # the copy of `model` an fp8 case runs (dlmrt/runtime/fp8_linear.py)
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from dlmrt.bench.backend_specs import fp8_model, split_case
 from dlmrt.bench.flop_formulas import custom_formulas
 from dlmrt.core.errors import ArgumentError
-from dlmrt.export.models import Denoiser
+from dlmrt.models import Denoiser
 from dlmrt.runtime import Fixed, GenerationResult, GenerationSettings, Generator, reference
 from dlmrt.runtime.backend import Backend
 from dlmrt.runtime.torch_backend import TorchBackend, resolve_mode
@@ -112,7 +112,7 @@ class HostReads(TorchFunctionMode):
 
 
 def _has_storage(value: object) -> bool:
-    """A tensor with a storage to count: not a weight packed for oneDNN (runtime/onednn.py), which is
+    """A tensor with a storage to count: not a weight packed for oneDNN (dlmrt/runtime/onednn.py), which is
     opaque, made once per backend like the weights themselves."""
     return isinstance(value, torch.Tensor) and value.layout == torch.strided
 

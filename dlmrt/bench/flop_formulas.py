@@ -19,7 +19,7 @@ def _attention(query, key, value, *args, out_shape=None, **kwargs) -> int:
 
 
 def _packed_linear(x, packed_weight, bias, out_features, *args, out_shape=None, **kwargs) -> int:
-    """A oneDNN linear of the CPU path (runtime/onednn.py), counted as the linear it stands for."""
+    """A oneDNN linear of the CPU path (dlmrt/runtime/onednn.py), counted as the linear it stands for."""
     return 2 * math.prod(x) * out_features
 
 

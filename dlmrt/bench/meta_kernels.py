@@ -5,7 +5,7 @@ runs for a boolean mask) rather than the math decomposition meta tensors take, w
 of every head in memory. The mask becomes an additive bias first, as on CUDA.
 
 LLaDA2's routed experts need no stand-in: on meta tensors the family runs its own grouped forward
-(`dlmrt.export.models.experts`), the one a CUDA device runs; `check_moe_dtype` refuses the dtypes its
+(`dlmrt.models.experts`), the one a CUDA device runs; `check_moe_dtype` refuses the dtypes its
 kernel does not take.
 """
 
@@ -17,7 +17,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from dlmrt.core.errors import ArgumentError
-from dlmrt.export.models import llada2_moe
+from dlmrt.models import llada2_moe
 
 
 class fused_attention(TorchFunctionMode):  # noqa: N801  (used as a context manager, like torch's modes)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from dlmrt.core.errors import ArgumentError
-from dlmrt.export import models
-from dlmrt.export.models import Denoiser, SpecialTokens
+from dlmrt import models
+from dlmrt.models import Denoiser, SpecialTokens
 
 _LLADA = {"architectures": ["LLaDAModelLM"], "model_type": "llada", "rope_theta": 500000.0, "block_type": "llama",
           "activation_type": "silu", "layer_norm_type": "rms", "rope": True, "alibi": False, "weight_tying": False}
@@ -52,7 +52,7 @@ def meta_model(name: str | None, dtype: str) -> Denoiser:
     from pathlib import Path
 
     from dlmrt import TINY_MODEL_DIR
-    from dlmrt.export import checkpoint
+    from dlmrt.models import checkpoint
 
     if name in RANDOM_CONFIGS:
         config = _config(name)

@@ -23,7 +23,7 @@ from dlmrt.bench.op_costs import Cost, OpCosts
 from dlmrt.bench.step_case import StepCase, step_graph, step_inputs, step_shapes
 from dlmrt.bench.step_scopes import GroupScopes, row_name
 from dlmrt.core.errors import ArgumentError
-from dlmrt.export.models import Denoiser
+from dlmrt.models import Denoiser
 from dlmrt.runtime import fp8_linear
 from dlmrt.runtime.fp8_linear import Fp8Linear
 
@@ -36,7 +36,7 @@ class Roofline:
     rows: dict[str, Cost]  # in the order the step first runs them
     weights_bytes: int  # every weight's bytes, once
     top_k: int | None  # experts a token chooses (MoE models)
-    precision: str = ""  # "fp8" where the blocks' linears run in FP8 (runtime/fp8_linear.py), else ""
+    precision: str = ""  # "fp8" where the blocks' linears run in FP8 (dlmrt/runtime/fp8_linear.py), else ""
 
     @property
     def label(self) -> str:

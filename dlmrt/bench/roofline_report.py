@@ -14,7 +14,7 @@ from dlmrt.bench.hardware import Gpu
 from dlmrt.bench.op_costs import Cost
 from dlmrt.bench.roofline import Roofline, count_step
 from dlmrt.bench.step_case import StepCase, default_cache
-from dlmrt.export.models import Denoiser
+from dlmrt.models import Denoiser
 
 ROOFLINE_FORMAT_VERSION = 1
 MB, GB = 1e6, 1e9

@@ -16,9 +16,9 @@ import torch
 from torch import Tensor
 
 from dlmrt.core.errors import ArgumentError
-from dlmrt.export.models import Denoiser
-from dlmrt.export.step_graph import StepGraph
-from dlmrt.plugins.parallel_unmask import MEASURE_CODES
+from dlmrt.models import Denoiser
+from dlmrt.models.step_graph import StepGraph
+from dlmrt.ops.parallel_unmask import MEASURE_CODES
 from dlmrt.runtime.device_step import StepKind, kinds_for_block
 from dlmrt.runtime.layout import canvas_length
 

@@ -18,7 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from dlmrt.bench.step_case import StepCase, step_graph, step_inputs, step_shapes
 from dlmrt.bench.step_scopes import ATTENTION, SCOPE, GroupScopes, row_name
-from dlmrt.export.models import Denoiser
+from dlmrt.models import Denoiser
 
 
 def profile_step(model: Denoiser, case: StepCase, *, repeats: int = 5, warmups: int = 2) -> dict[str, float]:

@@ -96,7 +96,7 @@ def load_suite(path: Path) -> tuple[str, list[Scenario]]:
 
 
 def _fields(table: Any, where: str) -> dict[str, Any]:
-    from dlmrt.export.models.config import matches  # here: its package imports torch, and `dlmrt --help` need not
+    from dlmrt.models.config import matches  # here: its package imports torch, and `dlmrt --help` need not
 
     if not isinstance(table, dict):
         raise SuiteError(f"{where} must be a table")

@@ -77,7 +77,7 @@ def open_model(name: str | None, dtype: str, device: str):
     import dlmrt
     from dlmrt import TINY_MODEL_DIR
     from dlmrt.bench.models import RANDOM_CONFIGS, random_model
-    from dlmrt.export.checkpoint import resolve_dtype
+    from dlmrt.models.checkpoint import resolve_dtype
 
     if name in RANDOM_CONFIGS:
         return random_model(name, dtype=resolve_dtype("float32" if dtype == "auto" else dtype), device=device)
@@ -412,7 +412,7 @@ def make_cases(model, backends, prompts, settings, scratch: Path, console, ort_t
                 with console.status(f"exporting {model.name} for ONNX Runtime"):
                     export(model, export_dir, max_batch=len(prompts), max_length=length)
             if mode is not None:
-                from dlmrt.engines.quant.cpu_int import quantize_export
+                from dlmrt.quant.cpu_int import quantize_export
 
                 with console.status(f"quantizing the export: {mode}"):
                     export_dir = quantize_export(export_dir, case_export(scratch, label), precision=mode)

@@ -20,7 +20,7 @@ from dlmrt.core import limits
 from dlmrt.core.home import keep_compiled_steps
 from dlmrt.cli.model_param import model_param
 from dlmrt.cli.parallel import checked_plan, parallel_options
-from dlmrt.engines.quant.cpu_int import BLOCK_SIZES as CPU_INT_BLOCK_SIZES
+from dlmrt.quant.cpu_int import BLOCK_SIZES as CPU_INT_BLOCK_SIZES
 from dlmrt.export.cpu_quantized import PRECISIONS as CPU_INT_PRECISIONS
 from dlmrt.cli.errors import UserError, guarded, reports_errors, require_onnx_extra, show_warning
 from dlmrt.cli.types import FLOAT32, LENGTH
@@ -365,7 +365,7 @@ def export_command(model_dir, output, opset, dtype, block_length, max_batch, max
             export(model, floats, opset=opset, block_length=block_length, max_batch=max_batch,
                    max_length=max_length, guidance=guidance, on_graph=lambda graph: advance())
         if precision is not None:
-            from dlmrt.engines.quant.cpu_int import quantize_export
+            from dlmrt.quant.cpu_int import quantize_export
 
             with step_progress(console, f"quantizing to {precision}: graph {{task.completed}} of {graphs}") as advance:
                 quantize_export(floats, output, precision=precision, block_size=int(quant_block_size),

@@ -22,7 +22,7 @@ def checked_plan(tp: int, ep: int, backend: str, model_dir, dtype: str, device: 
     starts: the backend, torchrun's world, and the split of the model's module tree (read on the meta device)."""
     from dlmrt import TINY_MODEL_DIR
     from dlmrt.cli.backends import resolve_device
-    from dlmrt.export.checkpoint import structure
+    from dlmrt.models.checkpoint import structure
     from dlmrt.parallel import launch
     from dlmrt.parallel.plan import ParallelPlan
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from dlmrt.core import atomic, file_reads, json_files, limits
 from dlmrt.core.errors import ArgumentError
-from dlmrt.export.models import Denoiser
+from dlmrt.models import Denoiser
 from dlmrt.runtime import GenerationMetrics, GenerationSettings, Generator, Policy, make_policy, text
 from dlmrt.runtime.policy_registry import POLICIES, unknown_policy
 from dlmrt.runtime.settings import check_request

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dlmrt.export.models import Denoiser
+from dlmrt.models import Denoiser
 from dlmrt.orl.rollout import IGNORE, States, entropy
 
 

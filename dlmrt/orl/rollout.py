@@ -23,7 +23,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 from torch import Tensor
 
-from dlmrt.export.models import Denoiser, Residual
+from dlmrt.models import Denoiser, Residual
 from dlmrt.runtime import GenerationSettings, Generator, text
 from dlmrt.runtime import layout as layouts
 from dlmrt.runtime.torch_backend import TorchBackend

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dlmrt.core import tasks
-from dlmrt.export.models import Denoiser
+from dlmrt.models import Denoiser
 
 
 class MaskedBatch(NamedTuple):

@@ -35,9 +35,10 @@ from safetensors.torch import save as save_tensors
 from dlmrt.core import file_reads, hashing, json_files, limits, tasks
 from dlmrt.core.errors import ArgumentError, CheckpointError
 from dlmrt.eval.evaluation import parse_setting
-from dlmrt.export import checkpoint, models
-from dlmrt.export.models import Denoiser
-from dlmrt.export.models import residual as residual_context
+from dlmrt import models
+from dlmrt.models import checkpoint
+from dlmrt.models import Denoiser
+from dlmrt.models import residual as residual_context
 from dlmrt.orl import supervised
 from dlmrt.orl.objective import orl_loss
 from dlmrt.orl.rollout import rollout

@@ -8,7 +8,7 @@ is identical everywhere. Rank r owns experts [r * E/R, (r + 1) * E/R) of each Mo
 the weighted sum of its experts over the tokens that chose them (eager: only the local experts some
 token chose, on just those tokens; in a fixed-shape graph (`in_fixed_shape_graph()`): every local
 expert on every token, weighted by the local columns of the routing matrix; LLaDA2 where the grouped
-GEMM runs (`dlmrt.export.models.experts`): the pairs routed to local experts, grouped by expert, the
+GEMM runs (`dlmrt.models.experts`): the pairs routed to local experts, grouped by expert, the
 others masked). One `ranks.all_reduce`
 (sum) of that partial output then gives every rank the full routed output. Tokens are not
 dispatched: each rank holds all of them (the activations are replicated, as under TP).
@@ -60,9 +60,9 @@ import torch
 from torch import Tensor, nn
 
 from dlmrt.core.errors import ArgumentError
-from dlmrt.export.models import diffusion_gemma, llada2_moe
-from dlmrt.export.models.experts import PROJECTIONS, SwiGLUExperts
-from dlmrt.export.models.layers import in_fixed_shape_graph
+from dlmrt.models import diffusion_gemma, llada2_moe
+from dlmrt.models.experts import PROJECTIONS, SwiGLUExperts
+from dlmrt.models.layers import in_fixed_shape_graph
 from dlmrt.parallel.ranks import Ranks
 
 

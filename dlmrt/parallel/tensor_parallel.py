@@ -29,9 +29,9 @@ import torch
 from torch import Tensor, nn
 
 from dlmrt.core.errors import ArgumentError
-from dlmrt.export.models import Denoiser
-from dlmrt.export.models import diffusion_gemma, layers, llada, llada2_moe, qwen
-from dlmrt.export.models.experts import SwiGLUExperts
+from dlmrt.models import Denoiser
+from dlmrt.models import diffusion_gemma, layers, llada, llada2_moe, qwen
+from dlmrt.models.experts import SwiGLUExperts
 from dlmrt.parallel.experts import ExpertParallelExperts, ExpertParallelMoE
 from dlmrt.parallel.ranks import Ranks
 

@@ -48,12 +48,12 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 from torch import Tensor
 
-from dlmrt.plugins.entropy_bound.reference import RenoiseParams, RenoiseResult, gumbel_scores, renoise, scale
-from dlmrt.plugins.parallel_unmask.reference import (CONFIDENCE_MEASURES, MEASURE_CODES, EditParams, UnmaskParams,
+from dlmrt.ops.entropy_bound.reference import RenoiseParams, RenoiseResult, gumbel_scores, renoise, scale
+from dlmrt.ops.parallel_unmask.reference import (CONFIDENCE_MEASURES, MEASURE_CODES, EditParams, UnmaskParams,
                                                      UnmaskResult, candidate_scores, commit_step, random_confidence)
 
 if TYPE_CHECKING:
-    from dlmrt.export.models.residual import Residual
+    from dlmrt.models.residual import Residual
 
 # The statistics of one position of one shard, in this order along the last axis.
 STATS = ("max_logit", "sum_exp", "sum_exp_logit", "score", "index", "candidate_logit", "top1", "top2")
@@ -242,7 +242,7 @@ def vocab_parallel_residual(logits: Tensor, embedding: Tensor, *, offset: int, v
     `[B, T, n]` at `offset` of `vocab_size` and the embedding rows of the same slice `[n, H]`: z `[B, T, H]`
     and certainty `[B, T]` in the embedding's dtype. One all_gather of `[B, T, 3]` float64, then one
     all_reduce (a sum) of this rank's share of z, `[B, T, H]` float32."""
-    from dlmrt.export.models.residual import Residual  # here: the model families may import this module
+    from dlmrt.models.residual import Residual  # here: the model families may import this module
 
     z, normalizer = _mixture(logits, embedding, offset, vocab_size, gather, all_reduce, torch.float32)
     certainty = (1.0 - normalizer.entropy / math.log(vocab_size)).clamp(0.0, 1.0)
@@ -310,7 +310,7 @@ def vocab_parallel_soft_tokens(scaled_logits: Tensor, weight: Tensor, *, offset:
     certainty 1 - H / log V in float32, not clamped) from a rank's shard of the scaled logits `[B, T, n]`
     at `offset` and the embedding rows of the same slice `[n, H]`; one all_gather of `[B, T, 3]` float64
     and one all_reduce of `[B, T, H]` float32."""
-    from dlmrt.export.models.residual import Residual
+    from dlmrt.models.residual import Residual
 
     z, normalizer = _mixture(scaled_logits, weight, offset, vocab_size, gather, all_reduce, weight.dtype)
     certainty = (1.0 - normalizer.entropy / math.log(vocab_size)).to(torch.float32)

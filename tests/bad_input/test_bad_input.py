@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 import dlmrt
 from dlmrt.core.errors import ArgumentError, CheckpointError, UnsupportedFeatureError
-from dlmrt.export import checkpoint
+from dlmrt.models import checkpoint
 from dlmrt.runtime import (Factor, Fixed, GenerationSettings, Generator, LLaDA2, ResidualPolicy, Threshold,
                            make_policy, reference)
 from helpers import LLADA, LLADA2, random_model

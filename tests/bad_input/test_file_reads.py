@@ -18,7 +18,7 @@ import dlmrt
 from dlmrt.cli.commands import main
 from dlmrt.core import file_reads, limits
 from dlmrt.core.errors import ArgumentError, CheckpointError
-from dlmrt.engines.quant.calibration import CalibrationError, load_prompts
+from dlmrt.quant.calibration import CalibrationError, load_prompts
 from dlmrt.eval.evaluation import load_jsonl
 
 EXAMPLE = '{"prompt": "add:1+2=", "answer": "3"}\n'

@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 import dlmrt
 from dlmrt.cli.commands import main
 from dlmrt.core.errors import DlmrtError
-from dlmrt.export import checkpoint
+from dlmrt.models import checkpoint
 from helpers import LLADA, LLADA2, random_model
 
 EXAMPLES = int(os.environ.get("DLMRT_FUZZ_EXAMPLES", "100"))
@@ -258,7 +258,7 @@ lines = st.one_of(st.builds(to_text, json_values), st.builds(to_text, st.fixed_d
 @FUZZ
 @given(content=st.lists(lines, max_size=4))
 def test_eval_jsonl_and_calibration_prompts(tmp_path, content):
-    from dlmrt.engines.quant.calibration import load_prompts
+    from dlmrt.quant.calibration import load_prompts
     from dlmrt.eval.evaluation import load_jsonl
 
     path = tmp_path / "examples.jsonl"

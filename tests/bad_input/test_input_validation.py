@@ -13,7 +13,8 @@ import pytest
 import dlmrt
 from dlmrt.core import limits
 from dlmrt.core.errors import CheckpointError, DlmrtError, ResourceError
-from dlmrt.export import checkpoint, models
+from dlmrt import models
+from dlmrt.models import checkpoint
 from helpers import LLADA, LLADA2, TOKENS, config, random_model
 
 

@@ -12,8 +12,8 @@ import torch
 import dlmrt
 from dlmrt.bench.counted import count_work
 from dlmrt.core import tasks
-from dlmrt.export.models.layers import RMSNorm
-from dlmrt.export.models.llada import LLaDABlock
+from dlmrt.models.layers import RMSNorm
+from dlmrt.models.llada import LLaDABlock
 from dlmrt.runtime import Fixed, GenerationSettings, device_step, text
 from dlmrt.runtime.executor import Executor
 from dlmrt.runtime.mask_batch import MaskBatch

@@ -153,7 +153,7 @@ def test_the_gate_fails_a_slowdown_that_repeats(suite, monkeypatch, tmp_path):
 
 
 def test_the_gate_fails_a_change_of_output(suite, monkeypatch):
-    from dlmrt.export import step_graph
+    from dlmrt.models import step_graph
 
     path, baseline = suite
     unmask = step_graph.parallel_unmask

@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from dlmrt.cli.commands import main
-from dlmrt.export import checkpoint
+from dlmrt.models import checkpoint
 from dlmrt.runtime.policy_registry import POLICIES
 from helpers import LLADA, LLADA2, random_model
 

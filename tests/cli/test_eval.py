@@ -13,7 +13,7 @@ from dlmrt.core import tasks
 from dlmrt.cli.commands import main
 from dlmrt.core.errors import ArgumentError
 from dlmrt.eval.evaluation import default_grid, evaluate_grid, exact_match, load_jsonl, parse_setting
-from dlmrt.export import checkpoint
+from dlmrt.models import checkpoint
 from dlmrt.runtime import Factor, Fixed, GenerationSettings, LLaDA2, ResidualPolicy, Threshold
 from dlmrt.core.tasks import Example
 from helpers import LLADA, random_model

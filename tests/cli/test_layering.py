@@ -1,14 +1,13 @@
 """The import layering of the package, read from the source (every import, lazy ones included):
 
 - dlmrt.core imports nothing else of dlmrt;
-- the model families (dlmrt.export.models) import nothing of the runtime;
+- the model families (dlmrt.models) import nothing of the runtime;
 - the runtime imports nothing of the commands on top of it (cli, serve, bench, eval, orl), and no particular
   family's module: it reaches a family through the Denoiser interface and the FAMILIES registry;
-- no two layers import each other, directly or through others. The layers are dlmrt's subpackages and the
-  design's top-level folders, with one split: the engine build pipeline (`dlmrt.engines.build` and
-  `dlmrt.engines.quant`, which calibrates by running the model through the runtime) sits above the runtime,
-  and the engine store it writes (`dlmrt.engines`: targets, plans, manifests, selection) below it, where the
-  TensorRT backend reads it.
+- no two layers import each other, directly or through others. The layers are dlmrt's subpackages, with
+  one split: the engine build pipeline (`dlmrt.engines.build` and `dlmrt.quant`, which calibrates by
+  running the model through the runtime) sits above the runtime, and the engine store it writes
+  (`dlmrt.engines`: targets, plans, manifests, selection) below it, where the TensorRT backend reads it.
 
 Imports made only for type checking (`if TYPE_CHECKING:`) are left out: they never run.
 """
@@ -16,27 +15,24 @@ Imports made only for type checking (`if TYPE_CHECKING:`) are left out: they nev
 from __future__ import annotations
 
 import ast
-import tomllib
 from pathlib import Path
 
 import pytest
 
-from dlmrt.export.models import FAMILIES
+from dlmrt.models import FAMILIES
 
 ROOT = Path(__file__).resolve().parents[2]
 TOP = ("dlmrt.cli", "dlmrt.serve", "dlmrt.bench", "dlmrt.eval", "dlmrt.orl")
 
 
 def _modules() -> dict[str, Path]:
-    """Every module of the package by dotted name, from pyproject's package-dir map."""
-    package_dirs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    """Every module of the package by dotted name."""
     found = {}
-    for package, folder in package_dirs.items():
-        for path in (ROOT / folder).rglob("*.py"):
-            parts = path.relative_to(ROOT / folder).with_suffix("").parts
-            if parts[-1] == "__init__":
-                parts = parts[:-1]
-            found.setdefault(".".join((package, *parts)), path)
+    for path in (ROOT / "dlmrt").rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        found[".".join(parts)] = path
     return found
 
 
@@ -44,7 +40,7 @@ MODULES = _modules()
 
 
 def _imports(name: str, path: Path) -> set[str]:
-    """The dlmrt modules `name` imports, anywhere in its body (a `from x import y` of a submodule counts y)."""
+    """The dlmrt modules `name` imports, anywhere in its body (a `from x import y` of a submodule counts y alone)."""
     imported = set()
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     for node in _runtime_nodes(ast.parse(path.read_text())):
@@ -55,8 +51,10 @@ def _imports(name: str, path: Path) -> set[str]:
             if node.level:  # relative: up from this module's package
                 parents = package.split(".")[:len(package.split(".")) - node.level + 1]
                 base = ".".join(parents + ([base] if base else []))
-            imported.add(base)
-            imported.update(f"{base}.{alias.name}" for alias in node.names)
+            named = {f"{base}.{alias.name}" for alias in node.names}
+            imported.update(named)
+            if not named <= MODULES.keys():  # `from package import submodule` needs only the submodule's own layer
+                imported.add(base)
     return {module for module in imported if module in MODULES and module != name}
 
 
@@ -90,7 +88,7 @@ def test_core_imports_nothing_else_of_dlmrt():
 
 
 def test_the_model_families_import_nothing_of_the_runtime():
-    assert _violations("dlmrt.export.models", lambda target: _within(target, "dlmrt.runtime")) == []
+    assert _violations("dlmrt.models", lambda target: _within(target, "dlmrt.runtime")) == []
 
 
 def test_the_runtime_imports_no_command_on_top_of_it():
@@ -103,11 +101,11 @@ def test_the_runtime_imports_no_particular_family():
     assert _violations("dlmrt.runtime", lambda target: target in families) == []
 
 
-BUILD_PIPELINE = ("dlmrt.engines.build", "dlmrt.engines.quant")
+BUILD_PIPELINE = ("dlmrt.engines.build", "dlmrt.quant")
 
 
 def _package(module: str) -> str:
-    """The layer a module belongs to: dlmrt's own subpackages, and the design's top-level folders."""
+    """The layer a module belongs to: one of dlmrt's subpackages."""
     if any(_within(module, stage) for stage in BUILD_PIPELINE):
         return "dlmrt.engines (build pipeline)"
     parts = module.split(".")
@@ -134,7 +132,7 @@ def test_no_two_packages_import_each_other():
     assert cycles == []
 
 
-@pytest.mark.parametrize("rule", ["dlmrt.core", "dlmrt.export.models", "dlmrt.runtime"])
+@pytest.mark.parametrize("rule", ["dlmrt.core", "dlmrt.models", "dlmrt.runtime"])
 def test_the_rules_see_the_modules_they_hold(rule):
     """A rule over no module would pass whatever the code did."""
     assert any(_within(name, rule) for name in MODULES)

@@ -1,4 +1,4 @@
-"""Int8/int4 CPU exports (`dlmrt export --precision`, dlmrt.engines.quant.cpu_int): every weight MatMul
+"""Int8/int4 CPU exports (`dlmrt export --precision`, dlmrt.quant.cpu_int): every weight MatMul
 becomes onnxruntime's MatMulNBits (int8, int4) or MatMulInteger (int8-dynamic), whose stored weights
 dequantize (written out here from the operators' contracts) to within a step of the float weights; ONNX
 Runtime runs the export on a CPU and decodes the tiny model's tasks as float32 does; what cannot run is
@@ -17,7 +17,7 @@ from onnx import numpy_helper
 
 from dlmrt.cli.commands import main
 from dlmrt.core.errors import ArgumentError
-from dlmrt.engines.quant.cpu_int import quantize_export
+from dlmrt.quant.cpu_int import quantize_export
 from dlmrt.export.export_manifest import MANIFEST_FILE, ExportManifest
 from dlmrt.export.cpu_quantized import QuantizedExportError
 from dlmrt.runtime import Fixed, GenerationSettings, Generator, text

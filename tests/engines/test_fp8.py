@@ -15,7 +15,7 @@ pytest.importorskip("onnxruntime", reason="the ONNX path needs the 'onnx' extra"
 import onnx  # noqa: E402
 
 from dlmrt.core import tasks  # noqa: E402
-from dlmrt.engines.quant.calibration import CalibrationError, calibration_feeds, load_prompts  # noqa: E402
+from dlmrt.quant.calibration import CalibrationError, calibration_feeds, load_prompts  # noqa: E402
 from dlmrt.core.errors import MissingExtraError  # noqa: E402
 from dlmrt.export.export_manifest import ExportManifest  # noqa: E402
 from dlmrt.export.onnx_export import graph_file  # noqa: E402
@@ -38,7 +38,7 @@ MAX_EXACT_MATCH_DROP = 0.07
 @pytest.fixture(scope="module")
 def fp8_export(tiny_export, tmp_path_factory):
     """(FP8 export directory, reports by graph) of the tiny model."""
-    from dlmrt.engines.quant.fp8 import quantize_export
+    from dlmrt.quant.fp8 import quantize_export
 
     return quantize_export(tiny_export, tmp_path_factory.mktemp("fp8") / "tiny-fp8", count=32)
 
@@ -95,7 +95,7 @@ def test_calibration_options_are_checked(tiny_export, tmp_path):
 
 
 def test_without_modelopt_the_error_names_the_extra(tiny_export, tmp_path, monkeypatch):
-    from dlmrt.engines.quant.fp8 import quantize_onnx
+    from dlmrt.quant.fp8 import quantize_onnx
 
     monkeypatch.setitem(sys.modules, "modelopt.onnx.quantization", None)  # import fails as if not installed
     with pytest.raises(MissingExtraError, match=r"pip install 'dlmrt\[quant\]'"):
@@ -137,7 +137,7 @@ def test_the_custom_node_and_its_functions_survive(fp8_export, tiny_export):
 
 @needs_modelopt
 def test_the_check_refuses_a_graph_without_fp8(tiny_export):
-    from dlmrt.engines.quant.fp8 import FP8Error, check_fp8_graph
+    from dlmrt.quant.fp8 import FP8Error, check_fp8_graph
 
     with pytest.raises(FP8Error, match="none of the graph's 37 MatMuls reads its inputs through FP8 Q/DQ"):
         check_fp8_graph(onnx.load(tiny_export / graph_file("full")))

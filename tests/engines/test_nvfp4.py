@@ -16,11 +16,11 @@ from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
 import dlmrt  # noqa: E402
 from dlmrt.core import tasks  # noqa: E402
-from dlmrt.engines.quant import nvfp4, nvfp4_onnx  # noqa: E402
-from dlmrt.engines.quant.nvfp4 import NVFP4Linear, QuantizationError  # noqa: E402
+from dlmrt.quant import nvfp4, nvfp4_onnx  # noqa: E402
+from dlmrt.quant.nvfp4 import NVFP4Linear, QuantizationError  # noqa: E402
 from dlmrt.core.errors import DlmrtError  # noqa: E402
 from dlmrt.export import onnx_export  # noqa: E402
-from dlmrt.plugins.parallel_unmask import MEASURE_CODES, onnx_function  # noqa: E402
+from dlmrt.ops.parallel_unmask import MEASURE_CODES, onnx_function  # noqa: E402
 from dlmrt.runtime import text  # noqa: E402
 from helpers import LLADA, LLADA2, random_model  # noqa: E402
 

@@ -1,5 +1,5 @@
-"""DiffusionGemma exported to ONNX (`export/canvas_export.py`: encode, decode and soft_tokens graphs) and
-run by ONNX Runtime (`runtime/ort_canvas.py`): the torch encoder's cache, the torch decoder's logits and
+"""DiffusionGemma exported to ONNX (`dlmrt/export/uniform_export.py`: encode, decode and soft_tokens graphs) and
+run by ONNX Runtime (`dlmrt/runtime/ort_backend.py`): the torch encoder's cache, the torch decoder's logits and
 the torch tokens.
 
 Exporting the fixture takes two to three minutes on a 2-core CPU (torch.onnx.export of two 6-layer
@@ -24,10 +24,11 @@ import onnx  # noqa: E402
 from onnx import numpy_helper  # noqa: E402
 
 from dlmrt.core.errors import ArgumentError  # noqa: E402
-from dlmrt.export import checkpoint, onnx_export  # noqa: E402
+from dlmrt.export import onnx_export  # noqa: E402
+from dlmrt.models import checkpoint
 from dlmrt.export.export_manifest import (CANVAS_GRAPHS, MANIFEST_FILE, ExportManifest,  # noqa: E402
                                           ExportManifestError)
-from dlmrt.export.models.residual import Residual  # noqa: E402
+from dlmrt.models.residual import Residual  # noqa: E402
 from dlmrt.runtime import EntropyBound, GenerationSettings, Generator, Threshold  # noqa: E402
 from dlmrt.runtime.exported_model import ExportedModel  # noqa: E402
 from dlmrt.runtime.uniform_state import encoder_inputs, zero_cache  # noqa: E402
@@ -332,7 +333,7 @@ def test_dry_run_plans_the_three_graphs_in_nvfp4_and_the_preflight_passes(export
 
 @pytest.mark.slow
 def test_calibration_records_each_graph_from_the_uniform_noise_loop(trained_export):
-    from dlmrt.engines.quant.calibration import calibration_feeds
+    from dlmrt.quant.calibration import calibration_feeds
 
     _, exported = trained_export
 
@@ -349,8 +350,8 @@ def test_calibration_records_each_graph_from_the_uniform_noise_loop(trained_expo
 def test_nvfp4_quantizes_every_expert_of_the_decoder(trained_export, tmp_path):
     """Each expert's two projections (Gemms on slices of the stacked weights) become NVFP4 MatMuls whose FP4
     weights decode to the NVFP4 fake quantization of that expert's own slice; the stacked initializers go."""
-    from dlmrt.engines.quant import nvfp4, nvfp4_onnx
-    from dlmrt.engines.quant.calibration import calibration_feeds
+    from dlmrt.quant import nvfp4, nvfp4_onnx
+    from dlmrt.quant.calibration import calibration_feeds
 
     model, exported = trained_export
     feeds = calibration_feeds(exported, "decode", prompts=["sort:31=", "rev:abc="], count=2)

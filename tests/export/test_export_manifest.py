@@ -160,4 +160,4 @@ def test_only_the_manifest_module_names_the_file():
     found = subprocess.run(["git", "grep", "--untracked", "-l", "-E", "[\"']dlmrt\\.json[\"']", "--", "*.py"],
                            cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
     code = [path for path in found if not path.startswith("tests/")]
-    assert code == ["export/export_manifest.py"], code
+    assert code == ["dlmrt/export/export_manifest.py"], code

@@ -13,7 +13,8 @@ pytest.importorskip("onnxruntime")
 
 from dlmrt.core import atomic  # noqa: E402
 from dlmrt.core.errors import ArgumentError  # noqa: E402
-from dlmrt.export import checkpoint, onnx_export  # noqa: E402
+from dlmrt.export import onnx_export  # noqa: E402
+from dlmrt.models import checkpoint
 from dlmrt.export.export_manifest import ExportManifest  # noqa: E402
 from helpers import LLADA, random_model  # noqa: E402
 

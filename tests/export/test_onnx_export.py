@@ -13,7 +13,8 @@ pytest.importorskip("onnxruntime", reason="the ONNX path needs the 'onnx' extra"
 import dlmrt  # noqa: E402
 from dlmrt.core import tasks  # noqa: E402
 from dlmrt.core.errors import ArgumentError, CheckpointError, UnsupportedFeatureError  # noqa: E402
-from dlmrt.export import checkpoint, onnx_export  # noqa: E402
+from dlmrt.export import onnx_export  # noqa: E402
+from dlmrt.models import checkpoint
 from dlmrt.export.export_manifest import MANIFEST_FILE, ExportLimits, ExportManifest  # noqa: E402
 from dlmrt.runtime import (  # noqa: E402
     CACHE_MODES, Factor, Fixed, GenerationSettings, Generator, LLaDA2, ResidualPolicy, Threshold, text)
@@ -180,7 +181,7 @@ def test_cli_export_and_generate_with_ort(tmp_path, monkeypatch):
     from click.testing import CliRunner
 
     from dlmrt.cli.commands import main
-    from dlmrt.export import checkpoint
+    from dlmrt.models import checkpoint
 
     monkeypatch.setenv("DLMRT_HOME", str(tmp_path / "home"))
     model_dir = checkpoint.save(random_model(LLADA), tmp_path / "model")

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from dlmrt.export.models import layers
+from dlmrt.models import layers
 
 
 def plain_attention(q, k, v, mask):

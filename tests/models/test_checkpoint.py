@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import dlmrt
-from dlmrt.export import checkpoint
+from dlmrt.models import checkpoint
 from helpers import LLADA, LLADA2, ORL, config, random_model
 
 IDS = torch.tensor([[5, 9, 13, 2, 2, 2, 2, 20], [7, 7, 30, 31, 2, 2, 2, 2]])

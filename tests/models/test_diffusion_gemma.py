@@ -20,8 +20,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dlmrt.core.errors import CheckpointError, UnsupportedFeatureError
-from dlmrt.export import checkpoint, models
-from dlmrt.export.models.diffusion_gemma import FULL, SLIDING, inverse_frequencies, RopeConfig
+from dlmrt import models
+from dlmrt.models import checkpoint
+from dlmrt.models.diffusion_gemma import FULL, SLIDING, inverse_frequencies, RopeConfig
 
 DATA = Path(__file__).parents[1] / "data" / "diffusion_gemma"
 EXPECTED = load_file(str(DATA / "expected.safetensors"))

@@ -13,8 +13,9 @@ from safetensors.torch import load_file
 
 import dlmrt
 from dlmrt.core.errors import CheckpointError, UnsupportedFeatureError
-from dlmrt.export import checkpoint, models
-from dlmrt.export.models import PastKV, SpecialTokens
+from dlmrt import models
+from dlmrt.models import checkpoint
+from dlmrt.models import PastKV, SpecialTokens
 
 from qwen_testing import DREAM, TOKENS, check, left_padded, make_model, random_ids
 from dream_reference import dream_forward, shift

@@ -14,8 +14,8 @@ import copy
 import pytest
 import torch
 
-from dlmrt.export import models
-from dlmrt.export.models import PastKV, Residual, SpecialTokens
+from dlmrt import models
+from dlmrt.models import PastKV, Residual, SpecialTokens
 
 from reference_impl import llada2_forward, llada_forward, next_residual_ref, route
 

@@ -13,8 +13,9 @@ from safetensors.torch import load_file, save_file
 
 import dlmrt
 from dlmrt.core.errors import CheckpointError, UnsupportedFeatureError
-from dlmrt.export import checkpoint, models
-from dlmrt.export.models import FAMILIES
+from dlmrt import models
+from dlmrt.models import checkpoint
+from dlmrt.models import FAMILIES
 from helpers import LLADA, LLADA2
 from helpers import TOKENS as TASK_TOKENS
 from qwen_testing import DREAM, SDAR

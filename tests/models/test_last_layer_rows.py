@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import dlmrt
-from dlmrt.export import models
+from dlmrt import models
 from helpers import LLADA, LLADA2
 from helpers import TOKENS as TASK_TOKENS
 from qwen_testing import DREAM, SDAR
@@ -56,7 +56,7 @@ def test_an_orl_model_keeps_every_position_for_its_next_residual():
 
 
 def test_llada_projects_only_the_wanted_queries_and_its_logits_match_over_padding_and_a_cached_prefix():
-    from dlmrt.export.models import PastKV
+    from dlmrt.models import PastKV
 
     model = models.create(LLADA, tokens=TASK_TOKENS, seed=2).eval()
     ids = torch.randint(0, model.vocab_size - 8, (2, 16), generator=torch.Generator().manual_seed(3))
@@ -78,7 +78,7 @@ def test_llada_projects_only_the_wanted_queries_and_its_logits_match_over_paddin
 
 
 def test_query_rows_selects_the_query_axis_and_leaves_a_broadcast_table():
-    from dlmrt.export.models.layers import query_rows
+    from dlmrt.models.layers import query_rows
 
     table = torch.arange(2 * 1 * 5 * 3).view(2, 1, 5, 3)
     broadcast = torch.ones(2, 1, 1, 3)

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 import dlmrt
 from dlmrt.core import hashing, tasks
 from dlmrt.core.errors import ArgumentError, CheckpointError, UnsupportedFeatureError
-from dlmrt.export import checkpoint, models
+from dlmrt import models
+from dlmrt.models import checkpoint
 from dlmrt.orl import objective, rollout, trainer
 from dlmrt.orl.trainer import Run, TrainingConfig
 from dlmrt.runtime import Fixed, GenerationSettings, Threshold, reference, text

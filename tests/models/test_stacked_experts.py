@@ -1,4 +1,4 @@
-"""LLaDA2's routed experts stacked per projection (`dlmrt.export.models.experts`): checkpoints keep their
+"""LLaDA2's routed experts stacked per projection (`dlmrt.models.experts`): checkpoints keep their
 per-expert names both ways; the grouped forward (sorted by expert, `torch._grouped_mm`, which torch runs on
 the CPU too) sums what the per-expert loop sums; the CPU's oneDNN packing reaches each stacked expert."""
 
@@ -10,9 +10,9 @@ import torch
 from safetensors import safe_open
 
 import dlmrt
-from dlmrt.export import checkpoint
-from dlmrt.export.models import llada2_moe
-from dlmrt.export.models.experts import PROJECTIONS, grouped_routed, grouped_runs
+from dlmrt.models import checkpoint
+from dlmrt.models import llada2_moe
+from dlmrt.models.experts import PROJECTIONS, grouped_routed, grouped_runs
 from dlmrt.runtime import onednn
 from helpers import LLADA2, random_model
 

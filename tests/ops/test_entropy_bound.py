@@ -1,4 +1,4 @@
-"""`dlmrt.plugins.entropy_bound` against a plain-Python reference and against the public DiffusionGemma code.
+"""`dlmrt.ops.entropy_bound` against a plain-Python reference and against the public DiffusionGemma code.
 
 The reference below is written from the rule descriptions only (loops over rows and positions,
 Python floats, math.log and math.exp, sorted()), never from the module's helpers:
@@ -31,11 +31,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dlmrt.plugins.entropy_bound import (RANDOM_TOKEN_SALT, RenoiseParams, contains_eos, entropy, entropy_bound_step,
+from dlmrt.ops.entropy_bound import (RANDOM_TOKEN_SALT, RenoiseParams, contains_eos, entropy, entropy_bound_step,
                                          gumbel_sample, initial_canvas, pad_after_eos, random_tokens, should_stop,
                                          stability, temperature_schedule)
-from dlmrt.plugins.parallel_unmask import uniform
-from dlmrt.plugins.parallel_unmask.reference import _RANDOM_CONFIDENCE_SALT
+from dlmrt.ops.parallel_unmask import uniform
+from dlmrt.ops.parallel_unmask.reference import _RANDOM_CONFIDENCE_SALT
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "entropy_bound"
 INF = math.inf

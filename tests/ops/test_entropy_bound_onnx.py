@@ -12,8 +12,8 @@ import torch
 onnx = pytest.importorskip("onnx", reason="the ONNX path needs the 'onnx' extra")
 ort = pytest.importorskip("onnxruntime", reason="the ONNX path needs the 'onnx' extra")
 
-from dlmrt.plugins.entropy_bound import RenoiseParams, entropy, entropy_bound_step  # noqa: E402
-from dlmrt.plugins.entropy_bound import onnx_function  # noqa: E402
+from dlmrt.ops.entropy_bound import RenoiseParams, entropy, entropy_bound_step  # noqa: E402
+from dlmrt.ops.entropy_bound import onnx_function  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -29,8 +29,8 @@ onnx = pytest.importorskip("onnx", reason="the ONNX path needs the 'onnx' extra"
 
 from dlmrt.engines import plan as plans  # noqa: E402
 from dlmrt.engines import plugin_specs, preflight  # noqa: E402
-from dlmrt.plugins.entropy_bound import onnx_function  # noqa: E402
-from dlmrt.plugins.parallel_unmask import trt_plugin as shared_trt_plugin  # noqa: E402
+from dlmrt.ops.entropy_bound import onnx_function  # noqa: E402
+from dlmrt.ops.parallel_unmask import trt_plugin as shared_trt_plugin  # noqa: E402
 
 PLUGIN_ID = "dlmrt::EntropyBoundStep"
 TRT_DTYPES = {onnx.TensorProto.FLOAT: "FLOAT", onnx.TensorProto.INT64: "INT64", onnx.TensorProto.BOOL: "BOOL"}
@@ -143,7 +143,7 @@ def fake_trt(monkeypatch):
 
 
 def registered(fake_trt, monkeypatch, cc: int = 90) -> SimpleNamespace:
-    module = fresh_module("dlmrt.plugins.entropy_bound.trt_plugin")
+    module = fresh_module("dlmrt.ops.entropy_bound.trt_plugin")
     monkeypatch.setattr(module, "_build_target", lambda: cc)
     module.register()
     module.register()  # once counts: the fake refuses a second registration
@@ -178,8 +178,8 @@ def test_the_output_descriptors_are_the_onnx_nodes_outputs(fake_trt, monkeypatch
 @pytest.mark.parametrize("cc", [90, 100, 120])
 def test_the_aot_implementation_hands_over_the_fused_kernel_for_the_build_gpu(fake_trt, monkeypatch, cc):
     pytest.importorskip("triton", reason="the Triton kernels need the dlmrt[triton] extra")
-    from dlmrt.plugins.entropy_bound.triton_kernels import CONFIGS
-    from dlmrt.plugins.parallel_unmask import aot
+    from dlmrt.ops.entropy_bound.triton_kernels import CONFIGS
+    from dlmrt.ops.parallel_unmask import aot
 
     definition = registered(fake_trt, monkeypatch, cc)
     graph = onnx_function.standalone_model().graph
@@ -203,7 +203,7 @@ def test_the_aot_implementation_hands_over_the_fused_kernel_for_the_build_gpu(fa
 
 
 def test_registration_without_tensorrt_says_which_extra(monkeypatch):
-    module = fresh_module("dlmrt.plugins.entropy_bound.trt_plugin")
+    module = fresh_module("dlmrt.ops.entropy_bound.trt_plugin")
     monkeypatch.setattr(shared_trt_plugin, "_registered", set())
     monkeypatch.setitem(sys.modules, "tensorrt", None)
     with pytest.raises(MissingExtraError, match=re.escape(f"{PLUGIN_ID} needs TensorRT")):

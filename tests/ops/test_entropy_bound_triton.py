@@ -19,12 +19,12 @@ import pytest
 import torch
 
 from dlmrt.core.errors import KernelInputError
-from dlmrt.plugins.entropy_bound import RenoiseParams, entropy, entropy_bound_step
+from dlmrt.ops.entropy_bound import RenoiseParams, entropy, entropy_bound_step
 from helpers import cuda_kernels, interpret_cases, run_in_interpreter
 
 pytest.importorskip("triton", reason="the Triton kernels need the dlmrt[triton] extra")
 
-KERNELS = "dlmrt.plugins.entropy_bound.triton_kernels"
+KERNELS = "dlmrt.ops.entropy_bound.triton_kernels"
 FORMS = ("fused=False", "fused=True")
 
 
@@ -195,7 +195,7 @@ def test_random_numbers_are_bit_exact(interpreted):
 def kernels():
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("the test process interprets Triton")
-    from dlmrt.plugins.entropy_bound import triton_kernels
+    from dlmrt.ops.entropy_bound import triton_kernels
     return triton_kernels
 
 
@@ -245,7 +245,7 @@ def test_kernels_compile_for_each_target(kernels, cc):
 
 def test_the_fused_kernel_compiles_through_the_aot_module():
     """What a TensorRT plugin of the op would take: the fused kernel, by name, through aot."""
-    from dlmrt.plugins.parallel_unmask import aot
+    from dlmrt.ops.parallel_unmask import aot
 
     compiled = aot.compile_kernel("entropy_bound_kernel", 100)
     assert compiled.name == "entropy_bound_kernel" and ".target sm_100" in compiled.ptx

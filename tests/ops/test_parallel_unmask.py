@@ -1,4 +1,4 @@
-"""The commit rules of `dlmrt.plugins.parallel_unmask` (threshold, factor, fixed, llada2), each
+"""The commit rules of `dlmrt.ops.parallel_unmask` (threshold, factor, fixed, llada2), each
 against the plain-Python reference in parallel_unmask_reference.py and hand-computed commit sets."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from dlmrt.plugins.parallel_unmask import UnmaskParams, strictly_above
+from dlmrt.ops.parallel_unmask import UnmaskParams, strictly_above
 from dlmrt.runtime.policies import Factor, Fixed, LLaDA2, Threshold, num_transfer_tokens
 from parallel_unmask_reference import (
     INF, MASK, as_mask, commits, confidences, default_token, exact_row, f32, factor_params, logits_of, make_params,

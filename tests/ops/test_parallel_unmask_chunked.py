@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dlmrt.plugins.parallel_unmask import EditParams, chunked, parallel_unmask
+from dlmrt.ops.parallel_unmask import EditParams, chunked, parallel_unmask
 from parallel_unmask_reference import make_params
 
 B, W, V = 3, 7, 300  # W is not a multiple of the slices below

@@ -1,4 +1,4 @@
-"""`dlmrt.plugins.parallel_unmask` beyond the commit rules: every rule on random inputs, the
+"""`dlmrt.ops.parallel_unmask` beyond the commit rules: every rule on random inputs, the
 confidence measures, sampling, random remasking, and what every step returns; against the
 plain-Python reference in parallel_unmask_reference.py."""
 
@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from dlmrt.plugins.parallel_unmask import UnmaskParams
+from dlmrt.ops.parallel_unmask import UnmaskParams
 from dlmrt.runtime.policies import Fixed, LLaDA2
 from parallel_unmask_reference import (
     INF, MASK, V, commits, confidences, default_token, factor_params, ids_of, logits_of, make_params,

@@ -9,8 +9,8 @@ import torch
 onnx = pytest.importorskip("onnx", reason="the ONNX path needs the 'onnx' extra")
 ort = pytest.importorskip("onnxruntime", reason="the ONNX path needs the 'onnx' extra")
 
-from dlmrt.plugins.parallel_unmask import MEASURE_CODES, EditParams, UnmaskParams, parallel_unmask  # noqa: E402
-from dlmrt.plugins.parallel_unmask import onnx_function  # noqa: E402
+from dlmrt.ops.parallel_unmask import MEASURE_CODES, EditParams, UnmaskParams, parallel_unmask  # noqa: E402
+from dlmrt.ops.parallel_unmask import onnx_function  # noqa: E402
 
 MASK = 6
 VOCAB = 7

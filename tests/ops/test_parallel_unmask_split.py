@@ -11,13 +11,13 @@ import sys
 import pytest
 import torch
 
-from dlmrt.plugins.parallel_unmask import EditParams, UnmaskParams, parallel_unmask
+from dlmrt.ops.parallel_unmask import EditParams, UnmaskParams, parallel_unmask
 from helpers import interpret_cases, run_in_interpreter
 from parallel_unmask_reference import make_params
 
 pytest.importorskip("triton", reason="the Triton kernels need the dlmrt[triton] extra")
 
-KERNELS = "dlmrt.plugins.parallel_unmask.split_kernels"
+KERNELS = "dlmrt.ops.parallel_unmask.split_kernels"
 B, W, V = 2, 5, 300  # tiles of 16, splits of 64: 5 splits, the last one partial
 BLOCK_V, SPLIT_V = 16, 64
 
@@ -54,7 +54,7 @@ def interpreted(tmp_path_factory) -> dict:
 
 
 def test_the_vocabulary_spans_several_splits():
-    from dlmrt.plugins.parallel_unmask import split_kernels
+    from dlmrt.ops.parallel_unmask import split_kernels
     assert split_kernels.splits_for(V, BLOCK_V, SPLIT_V) == (5, 64)
     assert split_kernels.splits_for(126464, 1024) == (16, 8192)
 
@@ -77,7 +77,7 @@ def test_split_kernels_match_the_reference(interpreted, name):
 @pytest.mark.parametrize("cc", [90, 100, 120])
 @pytest.mark.parametrize("kernel", ["split_kernel", "merge_kernel"])
 def test_split_kernels_compile_for_each_target_from_bf16(kernel, cc):
-    from dlmrt.plugins.parallel_unmask import aot
+    from dlmrt.ops.parallel_unmask import aot
     compiled = aot.compile_kernel(kernel, cc, {"logits": "*bf16"})
     assert re.search(rf"^\.target sm_{cc}a?\b", compiled.ptx, flags=re.M)
     assert f".entry {kernel}(" in compiled.ptx

@@ -18,13 +18,13 @@ import pytest
 import torch
 
 from dlmrt.core.errors import KernelInputError, MissingExtraError
-from dlmrt.plugins.parallel_unmask import MEASURE_CODES, EditParams, UnmaskParams, parallel_unmask
+from dlmrt.ops.parallel_unmask import MEASURE_CODES, EditParams, UnmaskParams, parallel_unmask
 from helpers import check_plugin_registration, cuda_kernels, fresh_module, interpret_cases, run_in_interpreter
 from parallel_unmask_reference import exact_row, logits_of, make_params, probs_row
 
 pytest.importorskip("triton", reason="the Triton kernels need the dlmrt[triton] extra")
 
-KERNELS = "dlmrt.plugins.parallel_unmask.triton_kernels"
+KERNELS = "dlmrt.ops.parallel_unmask.triton_kernels"
 INF = math.inf
 
 
@@ -224,7 +224,7 @@ def test_random_numbers_are_bit_exact(interpreted):
 
 @pytest.fixture(scope="module")
 def kernels():
-    from dlmrt.plugins.parallel_unmask import triton_kernels
+    from dlmrt.ops.parallel_unmask import triton_kernels
     return triton_kernels
 
 
@@ -272,7 +272,7 @@ def test_missing_triton_says_which_extra(monkeypatch):
 
 @pytest.mark.parametrize("cc", [90, 100, 120])
 def test_aot_ptx_for_each_target(cc):
-    from dlmrt.plugins.parallel_unmask import aot, triton_kernels
+    from dlmrt.ops.parallel_unmask import aot, triton_kernels
     compiled = aot.compile_kernel("parallel_unmask_kernel", cc)
     assert re.search(rf"^\.target sm_{cc}a?\b", compiled.ptx, flags=re.M), compiled.ptx[:400]
     entry = re.search(r"\.entry (\w+)\((.*?)\)", compiled.ptx, flags=re.S)
@@ -284,7 +284,7 @@ def test_aot_ptx_for_each_target(cc):
 
 
 def test_aot_from_an_interpreting_process_compiles_in_a_subprocess(monkeypatch):
-    from dlmrt.plugins.parallel_unmask import aot
+    from dlmrt.ops.parallel_unmask import aot
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(aot.triton_kernels, "interpreted", lambda: True)
     compiled = aot.compile_kernel("commit_kernel", 90)
@@ -292,7 +292,7 @@ def test_aot_from_an_interpreting_process_compiles_in_a_subprocess(monkeypatch):
 
 
 def test_dropping_a_used_parameter_is_refused():
-    from dlmrt.plugins.parallel_unmask import aot
+    from dlmrt.ops.parallel_unmask import aot
     ptx = ".entry k(\n\t.param .u64 k_param_0,\n\t.param .u64 k_param_1\n)\n{\n\tld.param.u64 %rd1, [k_param_1];\n}"
     with pytest.raises(KernelInputError, match="k_param_1 is used"):
         aot._drop_params(ptx, "k", keep=1)
@@ -302,7 +302,7 @@ def test_dropping_a_used_parameter_is_refused():
 # -- (d) TensorRT and the GPU --------------------------------------------------------------------
 
 def test_plugin_registration_without_tensorrt_says_which_extra(monkeypatch):
-    trt_plugin = fresh_module("dlmrt.plugins.parallel_unmask.trt_plugin")
+    trt_plugin = fresh_module("dlmrt.ops.parallel_unmask.trt_plugin")
     monkeypatch.setitem(sys.modules, "tensorrt", None)
     with pytest.raises(MissingExtraError, match=re.escape("pip install 'dlmrt[tensorrt]'")):
         trt_plugin.register()

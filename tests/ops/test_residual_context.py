@@ -17,17 +17,17 @@ import torch
 from torch import nn
 
 from dlmrt.core.errors import KernelInputError, MissingExtraError
-from dlmrt.export.models.residual import next_residual
-from dlmrt.plugins.residual_context import residual_context
+from dlmrt.models.residual import next_residual
+from dlmrt.ops.residual_context import residual_context
 from helpers import (LLADA, ORL, check_plugin_registration, config, cuda_kernels, fresh_module, interpret_cases,
                      random_model, run_in_interpreter)
 
 onnx = pytest.importorskip("onnx", reason="the ONNX path needs the 'onnx' extra")
 ort = pytest.importorskip("onnxruntime", reason="the ONNX path needs the 'onnx' extra")
 
-from dlmrt.plugins.residual_context import onnx_function  # noqa: E402
+from dlmrt.ops.residual_context import onnx_function  # noqa: E402
 
-KERNELS = "dlmrt.plugins.residual_context.triton_kernels"
+KERNELS = "dlmrt.ops.residual_context.triton_kernels"
 INF = math.inf
 
 
@@ -180,7 +180,7 @@ def test_the_orl_graph_holds_one_residual_context_node(orl_graph):
 
 def test_attach_adds_only_the_functions_of_ops_the_graph_uses():
     from dlmrt.export import onnx_export
-    from dlmrt.plugins.parallel_unmask import onnx_function as unmask_function
+    from dlmrt.ops.parallel_unmask import onnx_function as unmask_function
 
     def model_with(*nodes):
         return onnx.helper.make_model(onnx.helper.make_graph(list(nodes), "g", [], []))
@@ -268,7 +268,7 @@ def test_cpu_tensors_need_the_interpreter(kernels):
 
 def test_missing_triton_says_which_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "triton", None)
-    monkeypatch.delitem(sys.modules, "dlmrt.plugins.parallel_unmask.triton_kernels", raising=False)
+    monkeypatch.delitem(sys.modules, "dlmrt.ops.parallel_unmask.triton_kernels", raising=False)
     with pytest.raises(MissingExtraError, match=re.escape("pip install 'dlmrt[triton]'")):
         fresh_module(KERNELS)
 
@@ -281,7 +281,7 @@ FLOATS = ("logits", "embedding", "z", "certainty")
 @pytest.mark.parametrize("cc", [90, 100, 120])
 def test_aot_ptx_for_each_target(cc):
     pytest.importorskip("triton", reason="the Triton kernels need the dlmrt[triton] extra")
-    from dlmrt.plugins.parallel_unmask import aot
+    from dlmrt.ops.parallel_unmask import aot
     compiled = aot.compile_kernel("residual_kernel", cc)
     assert re.search(rf"^\.target sm_{cc}a?\b", compiled.ptx, flags=re.M), compiled.ptx[:400]
     entry = re.search(r"\.entry (\w+)\((.*?)\)", compiled.ptx, flags=re.S)
@@ -294,7 +294,7 @@ def test_aot_ptx_for_each_target(cc):
 
 def test_aot_compiles_each_float_type():
     pytest.importorskip("triton", reason="the Triton kernels need the dlmrt[triton] extra")
-    from dlmrt.plugins.parallel_unmask import aot
+    from dlmrt.ops.parallel_unmask import aot
     ptx = {dtype: aot.compile_kernel("residual_kernel", 90, dict.fromkeys(FLOATS, f"*{dtype}")).ptx
            for dtype in ("fp32", "bf16")}
     assert ptx["fp32"] != ptx["bf16"] and "bf16" in ptx["bf16"]
@@ -303,7 +303,7 @@ def test_aot_compiles_each_float_type():
 
 
 def test_every_kernel_aot_knows_lives_in_its_module():
-    from dlmrt.plugins.parallel_unmask import aot
+    from dlmrt.ops.parallel_unmask import aot
     assert set(aot.MODULES) == set(aot.SIGNATURES)
     assert aot.MODULES["residual_kernel"] == KERNELS
 
@@ -311,14 +311,14 @@ def test_every_kernel_aot_knows_lives_in_its_module():
 # -- TensorRT and the GPU --------------------------------------------------------------------------
 
 def test_plugin_registration_without_tensorrt_says_which_extra(monkeypatch):
-    trt_plugin = fresh_module("dlmrt.plugins.residual_context.trt_plugin")
+    trt_plugin = fresh_module("dlmrt.ops.residual_context.trt_plugin")
     monkeypatch.setitem(sys.modules, "tensorrt", None)
     with pytest.raises(MissingExtraError, match=re.escape("dlmrt::ResidualContext needs TensorRT 10.9")):
         trt_plugin.register()
 
 
 def test_plugin_maps_tensorrt_types_to_kernel_builds():
-    from dlmrt.plugins.residual_context import trt_plugin
+    from dlmrt.ops.residual_context import trt_plugin
     trt = SimpleNamespace(float32="FLOAT", float16="HALF", bfloat16="BF16")
     desc = lambda dtype: SimpleNamespace(dtype=dtype)  # noqa: E731
     assert trt_plugin._pointer_types(trt, logits=desc("FLOAT"), z=desc("BF16")) == {"logits": "*fp32", "z": "*bf16"}

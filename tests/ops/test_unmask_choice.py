@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dlmrt.core.errors import ArgumentError
-from dlmrt.plugins.parallel_unmask import choice
+from dlmrt.ops.parallel_unmask import choice
 
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")
 

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from dlmrt.export import models
-from dlmrt.export.models import diffusion_gemma, llada2_moe
-from dlmrt.export.models.layers import SwiGLU
+from dlmrt import models
+from dlmrt.models import diffusion_gemma, llada2_moe
+from dlmrt.models.layers import SwiGLU
 from dlmrt.parallel.experts import ExpertParallelExperts, ExpertParallelMoE, shard_experts
 from dlmrt.parallel.ranks import Ranks
 from helpers import LLADA2, random_model

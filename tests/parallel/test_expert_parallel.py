@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from dlmrt.core.errors import ArgumentError
-from dlmrt.export import models
+from dlmrt import models
 from dlmrt.parallel.experts import allowed_expert_worlds, check_expert_split, shard_experts
 from dlmrt.parallel.launch import run_ranks
 from dlmrt.parallel.ranks import Ranks

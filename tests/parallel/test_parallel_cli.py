@@ -16,7 +16,7 @@ import pytest
 from click.testing import CliRunner
 
 from dlmrt.cli.commands import main
-from dlmrt.export import checkpoint
+from dlmrt.models import checkpoint
 from helpers import LLADA, config, random_model
 
 PROMPT = ["--prompt", "add:762+139=", "--prompt", "rev:hello=", "--policy", "threshold", "--cache", "dual"]

@@ -9,7 +9,7 @@ import torch
 
 import jobs_tp
 from dlmrt.core.errors import ArgumentError
-from dlmrt.export.checkpoint import structure
+from dlmrt.models.checkpoint import structure
 from dlmrt.parallel.launch import run_ranks
 from dlmrt.parallel.plan import ParallelPlan
 from dlmrt.parallel.tensor_parallel import HeadSplit, check_tensor_split, split_heads, tp_sizes, vocab_split

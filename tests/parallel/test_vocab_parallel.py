@@ -20,15 +20,15 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from dlmrt.export.models.diffusion_gemma import DiffusionGemma
+from dlmrt.models.diffusion_gemma import DiffusionGemma
 from dlmrt.parallel import vocab
 from dlmrt.parallel.vocab import (STAT_COUNT, combine, renoise_exchange_bytes, shard_statistics, step_exchange_bytes,
                                   vocab_parallel_entropy_bound_step, vocab_parallel_residual,
                                   vocab_parallel_soft_tokens, vocab_parallel_unmask)
-from dlmrt.plugins.entropy_bound import RenoiseParams, entropy, entropy_bound_step, gumbel_sample
-from dlmrt.plugins.parallel_unmask import MEASURE_CODES, EditParams, UnmaskParams, parallel_unmask, strictly_above
-from dlmrt.plugins.parallel_unmask.reference import candidate_probability, candidates
-from dlmrt.plugins.residual_context.reference import residual_context
+from dlmrt.ops.entropy_bound import RenoiseParams, entropy, entropy_bound_step, gumbel_sample
+from dlmrt.ops.parallel_unmask import MEASURE_CODES, EditParams, UnmaskParams, parallel_unmask, strictly_above
+from dlmrt.ops.parallel_unmask.reference import candidate_probability, candidates
+from dlmrt.ops.residual_context.reference import residual_context
 from parallel_unmask_reference import make_params
 
 INF = math.inf

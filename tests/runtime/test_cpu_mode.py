@@ -1,4 +1,4 @@
-"""`--mode auto` on a CPU (runtime/cpu_mode.py): compile where the work's matmul time saved outweighs a
+"""`--mode auto` on a CPU (dlmrt/runtime/cpu_mode.py): compile where the work's matmul time saved outweighs a
 warm trace, eager where it does not; and the commands that build the backend from it."""
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def test_the_time_saved_is_the_matmul_flops_at_the_two_rates(tiny):
 
 
 def test_an_eager_step_off_onednn_is_counted_at_the_blas_rate(tiny):
-    """A bfloat16 model's eager linears stay on torch's BLAS (runtime/onednn.py packs float32 only)."""
+    """A bfloat16 model's eager linears stay on torch's BLAS (dlmrt/runtime/onednn.py packs float32 only)."""
     half = dlmrt.load(TINY_MODEL_DIR, dtype="bfloat16")
     work = cpu_mode.Work(forwards=10, rows=32)
     flops = 2 * sum(m.weight.numel() for m in tiny.modules() if isinstance(m, torch.nn.Linear)) * 32 * 10

@@ -220,7 +220,7 @@ def run_triton_case(kernels, case):
 
 def test_the_triton_unmask_kernels_give_the_torch_tokens_inside_the_loop(llada, orl, tmp_path):
     pytest.importorskip("triton", reason="the Triton kernels need the 'triton' extra")
-    from dlmrt.export import checkpoint
+    from dlmrt.models import checkpoint
 
     directories = {name: checkpoint.save(model, tmp_path / name) for name, model in (("llada", llada), ("orl", orl))}
     cases = {name: {"model": str(directories["orl" if residual else "llada"]), "prompts": PROMPTS[:2],
@@ -233,4 +233,4 @@ def test_the_triton_unmask_kernels_give_the_torch_tokens_inside_the_loop(llada, 
 
 
 if __name__ == "__main__":
-    interpret_cases("dlmrt.plugins.parallel_unmask.triton_kernels", run_triton_case, *sys.argv[1:])
+    interpret_cases("dlmrt.ops.parallel_unmask.triton_kernels", run_triton_case, *sys.argv[1:])

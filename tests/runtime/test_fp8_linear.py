@@ -1,4 +1,4 @@
-"""FP8 linear layers (runtime/fp8_linear.py) against plain references: the scales, the e4m3 round trip,
+"""FP8 linear layers (dlmrt/runtime/fp8_linear.py) against plain references: the scales, the e4m3 round trip,
 the product within e4m3's precision, which layers the swap touches, and the step loop in fp8."""
 
 import copy

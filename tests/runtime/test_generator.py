@@ -155,7 +155,7 @@ def test_bidirectional_caches_refresh_at_each_block(request, loop, cache, model_
 @pytest.mark.parametrize("cache", ["prefix", "dual"])
 def test_a_fresh_cache_gives_the_logits_of_a_full_forward(llada, cache):
     """Right after a refresh, a windowed step over the cached K/V sees exactly what a full forward sees."""
-    from dlmrt.export.models.denoiser import PastKV
+    from dlmrt.models.denoiser import PastKV
 
     ids = torch.tensor([[5, 6, 7, MASK, MASK, MASK, MASK, MASK, MASK, MASK, MASK]])
     full = llada.denoise(ids, return_kv=True)

@@ -32,7 +32,7 @@ import torch
 
 from dlmrt.cli.backends import BACKENDS
 from dlmrt.core.errors import ArgumentError
-from dlmrt.export.models import FAMILIES
+from dlmrt.models import FAMILIES
 from dlmrt.runtime import CACHE_MODES, GenerationSettings, Generator, make_policy, reference
 from dlmrt.runtime.executor import MODES
 from dlmrt.runtime.policy_registry import POLICIES

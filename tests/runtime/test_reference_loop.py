@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dlmrt.export.models import DenoiserOutput, Residual
+from dlmrt.models import DenoiserOutput, Residual
 from dlmrt.runtime import reference
 from dlmrt.runtime import Fixed, GenerationSettings
 from dlmrt.runtime.policies import num_transfer_tokens

@@ -3,7 +3,7 @@
 The Generator's batched loop, which freezes a stopped row and reads the host every K steps, is held
 to a plain loop written here for one row as the public generate is structured: a canvas per block,
 decoder steps until the stop rule holds (then break), the argmax cut after its first EOS, and the
-encoder committing the canvas. The step itself (`dlmrt.plugins.entropy_bound`) is held to the public
+encoder committing the canvas. The step itself (`dlmrt.ops.entropy_bound`) is held to the public
 sampler in test_entropy_bound.py.
 """
 
@@ -20,8 +20,8 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dlmrt.core.errors import ArgumentError
-from dlmrt.export import checkpoint
-from dlmrt.plugins.entropy_bound import RenoiseParams, entropy_bound_step, initial_canvas, temperature_schedule
+from dlmrt.models import checkpoint
+from dlmrt.ops.entropy_bound import RenoiseParams, entropy_bound_step, initial_canvas, temperature_schedule
 from dlmrt.runtime import EntropyBound, GenerationSettings, Generator, Threshold, make_policy
 from dlmrt.runtime.policies import entropy_bound_defaults
 

@@ -10,7 +10,7 @@ import pytest
 import dlmrt
 from dlmrt.core.chat_template import ChatTemplate, load_chat_template
 from dlmrt.core.errors import ArgumentError
-from dlmrt.export import checkpoint
+from dlmrt.models import checkpoint
 from dlmrt.export.export_manifest import ExportManifest
 
 CHATML = """{{ bos_token }}
