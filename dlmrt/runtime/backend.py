@@ -5,7 +5,6 @@ Design notes: docs/runtime-modules.md#backend.
 
 from __future__ import annotations
 
-import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
@@ -24,7 +23,8 @@ if TYPE_CHECKING:
     from dlmrt.models.denoiser import LayerGroupKV
     from dlmrt.runtime.uniform_state import CacheGroup, UniformState
     from dlmrt.runtime.uniform_step import UniformGraphs
-    from dlmrt.runtime.device_state import Bucket, BucketLadder, DeviceState
+    from dlmrt.runtime.buckets import BucketLadder
+    from dlmrt.runtime.device_state import DeviceState
     from dlmrt.runtime.device_step import StepKind
     from dlmrt.runtime.executor import StepProgram
 
@@ -83,33 +83,6 @@ class Backend(ABC):
 
         self.spec, self.ladder = spec, ladder
         self.executor = Executor(self, mode, on_failure, on_compile)
-        self._states: dict[Bucket, DeviceState | UniformState] = {}
-        self._owners: dict[Bucket, weakref.ref] = {}
-
-    def prepare(self, bucket: Bucket, owner: object) -> DeviceState | UniformState:
-        """The static state of `bucket` (allocated on first use) for `owner`, a running request: a
-        DeviceState for a mask model's bucket, a UniformState for a uniform-noise model's.
-        A bucket runs one request at a time; it is free again once `release` was called or its owner
-        is gone."""
-        holder = self._owners.get(bucket)
-        if holder is not None and holder() is not None and holder() is not owner:
-            raise ArgumentError("this backend is already decoding a batch of the same shape: finish or close the "
-                                "other generate stream first, or give each concurrent stream its own backend")
-        if bucket not in self._states:
-            self._states[bucket] = self._allocate(bucket)
-        self._owners[bucket] = weakref.ref(owner)
-        return self._states[bucket]
-
-    def _allocate(self, bucket: Bucket) -> DeviceState | UniformState:
-        from dlmrt.runtime.uniform_state import UniformState
-        from dlmrt.runtime.device_state import DeviceState
-
-        if bucket.noise == "uniform":
-            return UniformState.allocate(self.spec, bucket, self.cache_groups())
-        return DeviceState.allocate(self.spec, bucket)
-
-    def release(self, state: DeviceState | UniformState) -> None:
-        self._owners.pop(state.bucket, None)
 
     # -- the executor's ------------------------------------------------------------------------------------
     def prepare_steps(self, state, program: StepProgram, steps: int) -> float:

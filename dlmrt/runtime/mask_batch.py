@@ -13,7 +13,7 @@ import torch
 from dlmrt.ops.parallel_unmask import MEASURE_CODES
 from dlmrt.runtime import device_step
 from dlmrt.runtime import layout as layouts
-from dlmrt.runtime.device_state import Bucket
+from dlmrt.runtime.buckets import Bucket
 from dlmrt.runtime.running_batch import BlockOutcome, Row, RunningBatch, TokenLogprob
 from dlmrt.runtime.settings import GenerationSettings
 

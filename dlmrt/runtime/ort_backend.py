@@ -22,7 +22,7 @@ from dlmrt.export.export_manifest import ExportManifest
 from dlmrt.models.denoiser import LayerGroupKV
 from dlmrt.runtime.backend import BindingBackend, ModelSpec
 from dlmrt.runtime.uniform_state import CacheGroup, encoder_inputs, zero_cache
-from dlmrt.runtime.device_state import BucketLadder
+from dlmrt.runtime.buckets import BucketLadder
 from dlmrt.runtime.ort_cache import OptimizedModelCache
 
 OPTIMIZATION_LEVELS = ("disable", "basic", "extended", "all")

@@ -21,6 +21,7 @@ from typing import Any, NamedTuple, Protocol
 
 from dlmrt.core.errors import ArgumentError
 from dlmrt.runtime.backend import Backend
+from dlmrt.runtime.batch_resources import resources
 from dlmrt.runtime.metrics import GenerationMetrics
 from dlmrt.runtime.settings import GenerationSettings
 from dlmrt.runtime.text import completion
@@ -146,7 +147,7 @@ class RunningBatch(ABC):
     compile_s: float = 0.0
 
     def __post_init__(self):
-        self.spec = self.backend.spec
+        self.spec, self.resources = self.backend.spec, resources(self.backend)
         self.eos = set(self.spec.eos_ids)
 
     @property
@@ -202,13 +203,14 @@ class RunningBatch(ABC):
         """Make `bucket`'s state the batch's: emptied (`reset(state)`) when no row runs, else holding the
         running rows, taken from the state they were in (`take_rows(state, old, slots)`) to slots 0, 1, ..."""
         old = self.state
-        self.state = old if old is not None and old.bucket == bucket else self.backend.prepare(bucket, owner=self)
+        same = old is not None and old.bucket == bucket
+        self.state = old if same else self.resources.pool.prepare(bucket, owner=self)
         if old is None or not self.rows:
             reset(self.state)
         else:
             take_rows(self.state, old, [row.slot for row in self.rows])
         if old is not None and old is not self.state:
-            self.backend.release(old)
+            self.resources.pool.release(old)
         for slot, row in enumerate(self.rows):
             row.slot = slot
 
@@ -375,5 +377,5 @@ class RunningBatch(ABC):
     def close(self) -> None:
         """Give the bucket back (rows not finished are dropped)."""
         if self.state is not None:
-            self.backend.release(self.state)
+            self.resources.pool.release(self.state)
             self.state = None

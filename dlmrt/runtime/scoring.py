@@ -25,7 +25,8 @@ import torch
 
 from dlmrt.core.errors import ArgumentError
 from dlmrt.runtime.backend import Backend, ModelSpec
-from dlmrt.runtime.device_state import Bucket, DeviceState
+from dlmrt.runtime.buckets import Bucket
+from dlmrt.runtime.device_state import DeviceState
 from dlmrt.runtime.device_step import StepKind, gather, graph_inputs
 from dlmrt.runtime.running_batch import TokenLogprob
 

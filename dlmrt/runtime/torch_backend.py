@@ -22,7 +22,8 @@ from dlmrt.ops.parallel_unmask import choice
 from dlmrt.runtime import onednn
 from dlmrt.runtime.backend import Backend, ModelSpec
 from dlmrt.runtime.uniform_state import CacheGroup, UniformState
-from dlmrt.runtime.device_state import BucketLadder, DeviceState
+from dlmrt.runtime.buckets import BucketLadder
+from dlmrt.runtime.device_state import DeviceState
 from dlmrt.runtime.device_step import GraphOutputs, StepKind, TokenLogprobs
 from dlmrt.runtime.executor import MODES
 

@@ -23,7 +23,7 @@ from dlmrt.ops import register_tensorrt_plugins
 from dlmrt.models.denoiser import LayerGroupKV
 from dlmrt.runtime.backend import BindingBackend, ModelSpec
 from dlmrt.runtime.uniform_state import CacheGroup, encoder_inputs, zero_cache
-from dlmrt.runtime.device_state import BucketLadder
+from dlmrt.runtime.buckets import BucketLadder
 
 
 class EngineRunError(DlmrtError):

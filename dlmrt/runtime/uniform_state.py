@@ -7,15 +7,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from dlmrt.core import limits
 from dlmrt.models.denoiser import LayerGroupKV
-from dlmrt.runtime.backend import ModelSpec
-from dlmrt.runtime.device_state import Bucket
+from dlmrt.runtime.buckets import Bucket
 from dlmrt.runtime.static_buffers import StaticBuffers, shifted_copy
+
+if TYPE_CHECKING:
+    from dlmrt.runtime.backend import ModelSpec
 
 
 @dataclass(frozen=True)
