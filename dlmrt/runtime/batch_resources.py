@@ -1,7 +1,10 @@
-"""What every running batch over one backend shares: the bucket states it lends.
+"""What every running batch over one backend shares: the bucket states it lends, and the executor that
+runs step programs on them.
 
     held = resources(backend)                       # made on first use, kept while the backend lives
     state = held.pool.prepare(bucket, owner=batch)
+    compile_s = held.executor.prepare(state, program, steps)
+    held.executor.run(state, program, steps)
 
 Design notes: docs/runtime-modules.md#batch_resources.
 """
@@ -12,6 +15,7 @@ import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from dlmrt.runtime.executor import Executor
 from dlmrt.runtime.state_pool import StatePool
 
 if TYPE_CHECKING:
@@ -21,6 +25,7 @@ if TYPE_CHECKING:
 @dataclass
 class Resources:
     pool: StatePool
+    executor: Executor
 
 
 _HELD: weakref.WeakKeyDictionary[Backend, Resources] = weakref.WeakKeyDictionary()
@@ -28,8 +33,10 @@ _HELD: weakref.WeakKeyDictionary[Backend, Resources] = weakref.WeakKeyDictionary
 
 def resources(backend: Backend) -> Resources:
     """The backend's shared resources: one set per backend, so that every generate call, server and
-    rank over it runs in the same bucket states (and one bucket runs one batch at a time)."""
+    rank over it runs in the same bucket states (one bucket runs one batch at a time) and reuses what
+    the executor bound, compiled and captured for them."""
     held = _HELD.get(backend)
     if held is None:
-        held = _HELD[backend] = Resources(StatePool(backend.spec, backend.cache_groups))
+        held = _HELD[backend] = Resources(StatePool(backend.spec, backend.cache_groups),
+                                          Executor(backend, backend.mode, backend.on_failure, backend.on_compile))
     return held

@@ -279,10 +279,11 @@ class RunningBatch(ABC):
                     continue
                 steps = self._steps_per_sync(budget - taken, remaining, taken)
                 calls = [(kind, count) for kind, count in self._calls(taken, steps) if count]
-                self.compile_s += sum(self.backend.prepare_steps(self.state, kind, count) for kind, count in calls)
+                executor = self.resources.executor
+                self.compile_s += sum(executor.prepare(self.state, kind, count) for kind, count in calls)
                 tick = time.perf_counter()
                 for kind, count in calls:
-                    self.backend.run(self.state, kind, count)
+                    executor.run(self.state, kind, count)
                 remaining, self.worked = self._read_progress(steps)
                 self.backend_s += time.perf_counter() - tick
                 taken += steps

@@ -164,7 +164,7 @@ def test_a_failed_compile_falls_back_to_eager_only_for_the_default_mode(llada, m
     monkeypatch.setattr(torch, "compile", _failing_compile)
     settings = GenerationSettings(8, 4, Threshold(0.3), cache="dual", ignore_eos=True)
     backend = TorchBackend(llada, mode="compile")
-    backend.executor = Executor(backend, "compile", "fall back")
+    resources(backend).executor = Executor(backend, "compile", "fall back")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fallback = Generator(backend).generate(PROMPTS, settings)
