@@ -222,7 +222,7 @@ def dlmrt_cases(model, half, prompt_ids: list[int], scratch: Path, texts: dict, 
     counterpart of llama.cpp's F16 and BF16; and compile at its usual settings (threshold 0.9, dual
     cache)."""
     from dlmrt.bench.case import Case
-    from dlmrt.cli.bench import make_cases
+    from dlmrt.bench.scenario_run import make_cases
     from dlmrt.runtime import Fixed, GenerationSettings, Threshold, text
 
     same_work = GenerationSettings(GEN_LENGTH, BLOCK_LENGTH, Fixed(steps=STEPS), cache="none", ignore_eos=True)
