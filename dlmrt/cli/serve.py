@@ -117,8 +117,8 @@ def serve_command(model_dir, backend, mode, device, dtype, max_batch, host, port
                               allowed_origins=parse_origins(allowed_origins))
     checked = checked_plan(tp, ep, backend, model_dir, dtype, device) if max(tp, ep) > 1 else None
     if replicas is not None:
-        return _serve_replicas(opening, build, checked, limits, host, port, log_level, replicas, threads_per_replica,
-                               autoscale)
+        return _serve_replicas(opening, open_model, build, checked, limits, host, port, log_level, replicas,
+                               threads_per_replica, autoscale)
 
     def run_server(parallel=None, leader=None) -> None:
         app = build(parallel=parallel, leader=leader)
@@ -146,7 +146,8 @@ def open_served(opening: dict, parallel):
     return open_backend(**opening, engines=None, precision=None, console=Console(stderr=True), parallel=parallel)
 
 
-def _serve_replicas(opening: dict, build, checked, limits, host, port, log_level, replicas, threads, autoscale):
+def _serve_replicas(opening: dict, open_model, build, checked, limits, host, port, log_level, replicas, threads,
+                    autoscale):
     """--replicas: check what can be checked here, then `dlmrt.serve.replicas` until SIGINT or SIGTERM.
     `checked`: the (ParallelPlan, device) of a model split over ranks, each replica spanning them; or None."""
     import torch
@@ -173,8 +174,7 @@ def _serve_replicas(opening: dict, build, checked, limits, host, port, log_level
     if checked is not None:
         from dlmrt.parallel.serving import build_split_app
 
-        build = functools.partial(build_split_app, *checked, max(1, threads // ranks),
-                                  functools.partial(open_served, opening), build)
+        build = functools.partial(build_split_app, *checked, max(1, threads // ranks), open_model, build)
     plan = ReplicaPlan(replicas=replicas, threads=threads, limits=limits, max_batch=opening["max_batch"],
                        gpus=gpus, ranks=ranks, autoscale=autoscale, log_level=log_level)
     serve_replicas(build, plan, host=host, port=port, announce=lambda line: click.echo(line, err=True))
