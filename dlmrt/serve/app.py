@@ -60,7 +60,8 @@ from dlmrt.core.chat_template import ChatTemplate
 from dlmrt.core.errors import DlmrtError
 from dlmrt.runtime import text
 from dlmrt.runtime.backend import Backend
-from dlmrt.runtime.running_batch import BlockProgress, open_batch
+from dlmrt.runtime.batches import open_batch
+from dlmrt.runtime.running_batch import BlockProgress
 from dlmrt.runtime.scheduler import Failed, Finished, QueueFull, Scheduler, ShuttingDown
 from dlmrt.runtime.scoring import Scorer
 from dlmrt.serve.cors import Cors
