@@ -46,7 +46,7 @@ class GenerationSettings:
         its editing-only steps after them."""
         steps = self.policy.block_steps(self)
         steps = steps if self.max_block_steps is None else min(steps, self.max_block_steps)
-        return min(steps, self.block_length + self.policy.post_steps)
+        return min(steps, self.block_length + self.policy.row_params()["max_post_steps"])
 
     def validate(self, block_causal: bool = False) -> None:
         """Raise ArgumentError for settings that cannot work. Block-causal models place blocks on

@@ -23,7 +23,7 @@ from dlmrt.core.errors import ArgumentError
 from dlmrt.models import checkpoint
 from dlmrt.ops.entropy_bound import RenoiseParams, entropy_bound_step, initial_canvas, temperature_schedule
 from dlmrt.runtime import EntropyBound, GenerationSettings, Generator, Threshold, make_policy
-from dlmrt.runtime.policies import entropy_bound_defaults
+from dlmrt.runtime.uniform_policy import entropy_bound_defaults
 
 DATA = Path(__file__).parents[1] / "data" / "diffusion_gemma"
 PROMPTS = [[2, 17, 42, 5], [2, 9, 22, 31, 8, 77], [2, 40]]
