@@ -289,6 +289,10 @@ class LLaDA21(MaskPolicy):
             params.update(edit_threshold=strictly_above(self.edit_threshold), max_post_steps=self.max_post_steps)
         return params
 
+    @property
+    def _post_steps(self) -> int:
+        return self.max_post_steps if self.edits else 0
+
     def step_flags(self) -> dict[str, Any]:
         return {**super().step_flags(), "editing": self.edit_threshold < 1}
 
@@ -319,7 +323,7 @@ class LLaDA21(MaskPolicy):
 
     def block_steps(self, settings: GenerationSettings) -> int:
         """Every step commits at least one mask, so the masks take at most a block's length of steps."""
-        return settings.block_length + self.row_params()["max_post_steps"]
+        return settings.block_length + self._post_steps
 
     def schedule(self, masked: Tensor, block_length: int, steps: int) -> Tensor:
         counts = torch.full((masked.shape[0], steps), self.num_to_transfer, dtype=torch.long, device=masked.device)
