@@ -53,7 +53,7 @@ from fastapi import FastAPI
 
 from dlmrt.core.chat_template import ChatTemplate
 from dlmrt.runtime.backend import Backend
-from dlmrt.runtime.running_batch import open_batch
+from dlmrt.runtime.batches import open_batch
 from dlmrt.runtime.scheduler import Scheduler
 from dlmrt.serve.cors import Cors
 from dlmrt.serve.errors import install_handlers

@@ -19,7 +19,7 @@ from dlmrt.bench.counted import count_work
 from dlmrt.runtime import GenerationSettings, Generator, LLaDA21, Threshold, text
 from dlmrt.runtime import device_step
 from dlmrt.runtime.device_state import Bucket, DeviceState
-from dlmrt.runtime.running_batch import open_batch
+from dlmrt.runtime.batches import open_batch
 from dlmrt.runtime.torch_backend import TorchBackend, spec_of
 
 SETTINGS = GenerationSettings(16, 8, Threshold(0.9), logprobs=5)  # temperature 0, cache none: whole-canvas steps
