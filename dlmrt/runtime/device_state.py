@@ -22,7 +22,7 @@ from torch import Tensor
 
 from dlmrt.core import limits
 from dlmrt.core.errors import ArgumentError
-from dlmrt.runtime.backend import ModelSpec
+from dlmrt.runtime.model_spec import ModelSpec
 from dlmrt.runtime.layout import Layout
 from dlmrt.runtime.static_buffers import StaticBuffers, shifted_copy
 

@@ -19,7 +19,8 @@ from dlmrt.models.step_graph import POLICY_INPUTS, graph_name
 from dlmrt.runtime.device_state import DeviceState
 
 if TYPE_CHECKING:
-    from dlmrt.runtime.backend import Backend, BindingBackend, ModelSpec
+    from dlmrt.runtime.backend import Backend, BindingBackend
+    from dlmrt.runtime.model_spec import ModelSpec
 
 
 @dataclass(frozen=True)

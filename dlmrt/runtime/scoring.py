@@ -24,7 +24,8 @@ from collections.abc import Callable
 import torch
 
 from dlmrt.core.errors import ArgumentError
-from dlmrt.runtime.backend import Backend, ModelSpec
+from dlmrt.runtime.backend import Backend
+from dlmrt.runtime.model_spec import ModelSpec
 from dlmrt.runtime.device_state import Bucket, DeviceState
 from dlmrt.runtime.device_step import StepKind, gather, graph_inputs
 from dlmrt.runtime.running_batch import TokenLogprob

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from dlmrt.core import limits
 from dlmrt.core.errors import ArgumentError
-from dlmrt.runtime.backend import ModelSpec
+from dlmrt.runtime.model_spec import ModelSpec
 from dlmrt.runtime.policies import Fixed, Policy, ResidualPolicy, make_policy
 
 CACHE_MODES = ("none", "prefix", "dual")
