@@ -38,7 +38,8 @@ from rich.table import Table
 import dlmrt
 from dlmrt import TINY_MODEL_DIR
 from dlmrt.core import atomic, tasks
-from dlmrt.bench.benchmark import Case, measure
+from dlmrt.bench.benchmark import measure
+from dlmrt.bench.case import Case
 from dlmrt.runtime import GenerationSettings, Generator, Threshold, text
 
 SETTINGS = GenerationSettings(32, 8, Threshold(0.9), cache="dual")

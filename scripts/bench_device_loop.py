@@ -42,7 +42,8 @@ from rich.table import Table
 
 import dlmrt
 from dlmrt.core import atomic
-from dlmrt.bench.benchmark import Case, environment, measure
+from dlmrt.bench.benchmark import environment, measure
+from dlmrt.bench.case import Case
 from dlmrt import models
 from dlmrt.models import checkpoint
 from dlmrt.models import SpecialTokens

@@ -196,7 +196,7 @@ def cli_command(cli: Path, gguf: Path, prompt: str, threads: int) -> list[str]:
 
 
 def llama_case(label: str, command: list[str], texts: dict):
-    from dlmrt.bench.benchmark import Case
+    from dlmrt.bench.case import Case
     from dlmrt.runtime.metrics import GenerationMetrics
 
     def run():
@@ -221,8 +221,8 @@ def dlmrt_cases(model, half, prompt_ids: list[int], scratch: Path, texts: dict, 
     bfloat16 (`half`: what `dlmrt generate` runs for a checkpoint saved in bfloat16, as LLaDA's are), the
     counterpart of llama.cpp's F16 and BF16; and compile at its usual settings (threshold 0.9, dual
     cache)."""
-    from dlmrt.bench.benchmark import Case
-    from dlmrt.cli.bench import make_cases
+    from dlmrt.bench.case import Case
+    from dlmrt.bench.scenario_run import make_cases
     from dlmrt.runtime import Fixed, GenerationSettings, Threshold, text
 
     same_work = GenerationSettings(GEN_LENGTH, BLOCK_LENGTH, Fixed(steps=STEPS), cache="none", ignore_eos=True)

@@ -25,7 +25,8 @@ from rich.progress import Progress
 
 import dlmrt
 from dlmrt.core import atomic, tasks
-from dlmrt.bench.benchmark import Case, measure, speed_table
+from dlmrt.bench.benchmark import measure, speed_table
+from dlmrt.bench.case import Case
 from dlmrt import models
 from dlmrt.export.onnx_export import export
 from dlmrt.runtime import GenerationSettings, Generator, Threshold, text

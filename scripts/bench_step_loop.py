@@ -31,7 +31,8 @@ from rich.table import Table
 
 import dlmrt
 from dlmrt.core import atomic, tasks
-from dlmrt.bench.benchmark import Case, measure, speed_table
+from dlmrt.bench.benchmark import measure, speed_table
+from dlmrt.bench.case import Case
 from dlmrt.eval.evaluation import exact_match
 from dlmrt import models
 from dlmrt.models import SpecialTokens

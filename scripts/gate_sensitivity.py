@@ -40,7 +40,9 @@ from rich.table import Table
 from dlmrt.bench import canary, paired
 from dlmrt.bench import suite as bench_suite
 from dlmrt.bench.step_case import default_cache
-from dlmrt.cli import bench as cli_bench
+from dlmrt.bench.models import open_model
+from dlmrt.bench.scenario_run import make_cases
+from dlmrt.cli.bench import parse_backends
 from dlmrt.runtime import GenerationSettings, make_policy, ort_backend
 from dlmrt.runtime.executor import Executor
 
@@ -90,7 +92,7 @@ class BusyCore:
 
 def build_cases(scenario: bench_suite.Scenario, threads: int, scratch: Path, console: Console):
     """The scenario's cases as `dlmrt bench` builds them, on the same seeded prompts, and the canary."""
-    model = cli_bench.open_model(scenario.model, scenario.dtype, scenario.device)
+    model = open_model(scenario.model, scenario.dtype, scenario.device)
     policy = make_policy(scenario.policy, threshold=scenario.threshold, factor=scenario.factor, steps=scenario.steps,
                          generation_config=model.generation_config)
     settings = GenerationSettings(scenario.output_len, scenario.block_length or min(32, scenario.output_len), policy,
@@ -99,11 +101,11 @@ def build_cases(scenario: bench_suite.Scenario, threads: int, scratch: Path, con
     allowed = torch.tensor([i for i in range(model.vocab_size) if i not in special])
     chosen = torch.randint(len(allowed), (scenario.batch_size, scenario.input_len),
                            generator=torch.Generator().manual_seed(scenario.seed))
-    backends = cli_bench.parse_backends(",".join(scenario.backends))
+    backends = parse_backends(",".join(scenario.backends))
     # ONNX Runtime at the torch cases' threads, and not spinning: the rounds run torch right after it
     ort = functools.partial(ort_backend.OrtBackend, threads=threads, spinning=False)
     with mock.patch.object(ort_backend, "OrtBackend", ort):
-        cases, _ = cli_bench.make_cases(model, backends, allowed[chosen].tolist(), settings, scratch, console)
+        cases, _ = make_cases(model, backends, allowed[chosen].tolist(), settings, scratch, console)
     return [*cases, canary.canary_case()]
 
 

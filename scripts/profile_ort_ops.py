@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from dlmrt.bench.models import RANDOM_CONFIGS, random_model
-from dlmrt.cli.bench import open_model
+from dlmrt.bench.models import open_model
 from dlmrt.quant.cpu_int import quantize_export
 from dlmrt.export.cpu_quantized import PRECISIONS
 from dlmrt.export.onnx_export import export

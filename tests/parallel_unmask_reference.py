@@ -210,8 +210,8 @@ def make_params(batch: int, *, count=0, threshold=INF, factor=0.0, temperature=0
 def policy_params(policy, counts: list[int], **kw) -> UnmaskParams:
     """The step parameters a policy maps to (its threshold and factor), with the given counts."""
     batch = len(counts)
-    return make_params(batch, count=counts, threshold=[policy.threshold_value] * batch,
-                       factor=[policy.factor_value] * batch, **kw)
+    return make_params(batch, count=counts, threshold=[policy.row_params()["threshold"]] * batch,
+                       factor=[policy.row_params()["factor"]] * batch, **kw)
 
 
 def as_mask(masked, batch: int, width: int) -> list[list[bool]]:
@@ -295,9 +295,9 @@ def factor_params(factors: list[float], masked_counts: list[int], width: int, st
     counts = [int(Factor(f).schedule(torch.tensor([m]), width, steps)[0, 0])
               for f, m in zip(factors, masked_counts)]
     assert counts == [1] * len(factors), "Factor's schedule must ask for one commit per step"
-    assert all(Factor(f).threshold_value == INF for f in factors), "Factor must leave the threshold off"
-    return make_params(len(factors), count=counts, threshold=[Factor(f).threshold_value for f in factors],
-                       factor=[Factor(f).factor_value for f in factors])
+    assert all(Factor(f).row_params()["threshold"] == INF for f in factors), "Factor must leave the threshold off"
+    return make_params(len(factors), count=counts, threshold=[Factor(f).row_params()["threshold"] for f in factors],
+                       factor=[Factor(f).row_params()["factor"] for f in factors])
 
 
 def threshold_params(taus: list[float], masked_counts: list[int], width: int, steps: int = 4):
@@ -307,7 +307,7 @@ def threshold_params(taus: list[float], masked_counts: list[int], width: int, st
         schedule = Threshold(tau).schedule(torch.tensor([masked]), width, steps)
         counts.append(int(schedule[0, 0]))
     assert counts == [1] * len(taus), "Threshold's schedule must ask for one commit per step"
-    thresholds = [Threshold(tau).threshold_value for tau in taus]
-    factors = [Threshold(tau).factor_value for tau in taus]
+    thresholds = [Threshold(tau).row_params()["threshold"] for tau in taus]
+    factors = [Threshold(tau).row_params()["factor"] for tau in taus]
     assert factors == [0.0] * len(taus), "Threshold must leave the factor rule off"
     return make_params(len(taus), count=counts, threshold=thresholds, factor=factors)

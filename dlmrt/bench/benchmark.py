@@ -5,21 +5,13 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
 
 from rich.progress import Progress
 from rich.table import Table
 
+from dlmrt.bench.case import Case
+from dlmrt.bench.paired import interleaved_rounds
 from dlmrt.runtime.metrics import GenerationMetrics
-
-
-class Case(NamedTuple):
-    label: str
-    run: Callable[[], GenerationMetrics]
-    # The runtime whose threads run the case. ONNX Runtime's threads spin after a run and slow torch
-    # down for a second after (to half speed on 2 cores), so cases of one pool never alternate with
-    # another's.
-    pool: str = "torch"
 
 
 def measure(cases: Sequence[Case], repeats: int, progress: Progress, title: str,
@@ -28,8 +20,6 @@ def measure(cases: Sequence[Case], repeats: int, progress: Progress, title: str,
     which every case of a pool runs once, in turn (`dlmrt.bench.paired.interleaved_rounds`), pools one
     after another: one row of medians and ranges a case, with its speed-up against the first case.
     `warm_up` runs once before all."""
-    from dlmrt.bench.paired import interleaved_rounds
-
     task = progress.add_task(title, total=len(cases) * (repeats + warmups) + 1)
     if warm_up is not None:
         warm_up()

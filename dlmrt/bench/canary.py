@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dlmrt.bench.benchmark import Case
+from dlmrt.bench.case import Case
 
 LABEL = "canary"
 SEED = 0

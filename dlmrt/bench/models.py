@@ -3,6 +3,8 @@ downloaded. Each is a real family config at a size people benchmark."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from dlmrt.core.errors import ArgumentError
@@ -35,6 +37,22 @@ RANDOM_CONFIGS = {
         "topk_group": 4, "routed_scaling_factor": 2.5, "norm_topk_prob": True, "partial_rotary_factor": 0.5,
         "rope_theta": 600000.0, "use_qk_norm": True, "max_position_embeddings": 8192},
 }
+
+
+def open_model(name: str | None, dtype: str, device: str):
+    """A model directory (default: the tiny model), or a named random config (dlmrt.bench.models)."""
+    import dlmrt
+    from dlmrt import TINY_MODEL_DIR
+    from dlmrt.bench.models import RANDOM_CONFIGS, random_model
+    from dlmrt.models.checkpoint import resolve_dtype
+
+    if name in RANDOM_CONFIGS:
+        return random_model(name, dtype=resolve_dtype("float32" if dtype == "auto" else dtype), device=device)
+    path = Path(name) if name else TINY_MODEL_DIR
+    if name and not path.exists():
+        raise ArgumentError(f"--model {name!r} is neither a model directory nor a random config "
+                            f"({', '.join(RANDOM_CONFIGS)})")
+    return dlmrt.load(path, dtype=dtype, device=device)
 
 
 def random_model(name: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Denoiser:

@@ -54,7 +54,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from dlmrt.bench.benchmark import Case
+from dlmrt.bench.case import Case
 
 # The most a ratio may drop before it fails: larger margins hid 30% slowdowns.
 MAX_MARGIN = 0.15

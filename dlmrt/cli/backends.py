@@ -36,12 +36,14 @@ def resolve_device(backend: str, device: str) -> str:
 
 
 def open_backend(backend: str, model_dir: Path | None, *, dtype: str, mode: str, max_batch: int,
-                 device: str, engines: Path | None, precision: str | None, console, parallel=None, work=None):
+                 device: str, engines: Path | None, precision: str | None, console, parallel=None, work=None,
+                 on_compile=None):
     """(model, backend) for --backend: the model is what text in and out needs (a Denoiser, or an
     export's ExportedModel); the backend is None for the reference loop, which runs the model itself.
     `parallel`: on a rank of a parallel run, its (ParallelPlan, Ranks): the model is cut into its part.
     `work(model)`: the command's `cpu_mode.Work`, from which `--mode auto` on a CPU picks eager or compile
-    (without it, auto is TorchBackend's: eager on a CPU)."""
+    (without it, auto is TorchBackend's: eager on a CPU). `on_compile(note)`: the torch backend's executor tells
+    it what it compiles or captures, before it does."""
     if backend != "torch" and mode != "auto":
         raise click.UsageError(f"--mode applies to --backend torch; --backend {backend} runs its own way")
     check_precision(backend, precision, engines, parallel=parallel is not None)
@@ -86,7 +88,21 @@ def open_backend(backend: str, model_dir: Path | None, *, dtype: str, mode: str,
         from dlmrt.runtime import cpu_mode
 
         mode = cpu_mode.auto_mode(model, work(model))
-    return model, (TorchBackend(model, mode=mode, max_batch=max_batch) if backend == "torch" else None)
+    if backend != "torch":
+        return model, None
+    return model, TorchBackend(model, mode=mode, max_batch=max_batch, on_compile=on_compile)
+
+
+def once(function):
+    """`function(model)` computed at its first call and returned again after: a command's settings, which
+    `open_backend` may need first (for `--mode auto`'s work), and which warn only once."""
+    results = []
+
+    def first_result(model):
+        if not results:
+            results.append(function(model))
+        return results[0]
+    return first_result
 
 
 def check_precision(backend: str, precision: str | None, engines: Path | None, *, parallel: bool) -> None:

@@ -14,28 +14,22 @@ of the speed ratios, and each case's tokens are hashed: "same tokens" compares t
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import json
-import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 import click
 
 from dlmrt.bench import gate as bench_gate
 from dlmrt.bench import suite as bench_suite
-from dlmrt.bench.backend_specs import TORCH_SPEC, fp8_model, split_case, torch_case
+from dlmrt.bench.backend_specs import TORCH_SPEC, torch_case
 from dlmrt.bench.machine import machine_class
 from dlmrt.core import file_reads, limits
 from dlmrt.bench.suite import Scenario
-from dlmrt.cli.errors import reports_errors
+from dlmrt.cli.errors import reports_errors, require_onnx_extra
 from dlmrt.cli.model_param import model_param
 from dlmrt.cli.types import BATCH_SIZES, FLOAT32, LENGTH
 from dlmrt.core.errors import ArgumentError
 
-BENCH_FORMAT_VERSION = 1
 POLICIES = ("fixed", "threshold", "factor", "llada2", "entropy_bound")
 # The results table's width where the output is no terminal (on a terminal, the terminal's): the
 # default table fits 100 columns, the --wide one about 170.
@@ -70,27 +64,6 @@ def parse_backends(spec: str) -> list[tuple[str, str | None]]:
 def option_name(ctx: click.Context, dest: str) -> str:
     """The option a user typed for a parameter (`model_name` is --model)."""
     return next(param.opts[0] for param in ctx.command.params if param.name == dest)
-
-
-def open_model(name: str | None, dtype: str, device: str):
-    """A model directory (default: the tiny model), or a named random config (dlmrt.bench.models)."""
-    import dlmrt
-    from dlmrt import TINY_MODEL_DIR
-    from dlmrt.bench.models import RANDOM_CONFIGS, random_model
-    from dlmrt.models.checkpoint import resolve_dtype
-
-    if name in RANDOM_CONFIGS:
-        return random_model(name, dtype=resolve_dtype("float32" if dtype == "auto" else dtype), device=device)
-    path = Path(name) if name else TINY_MODEL_DIR
-    if name and not path.exists():
-        raise ArgumentError(f"--model {name!r} is neither a model directory nor a random config "
-                            f"({', '.join(RANDOM_CONFIGS)})")
-    return dlmrt.load(path, dtype=dtype, device=device)
-
-
-def token_hash(tokens) -> str:
-    """A short digest of generated tokens: equal digests, equal tokens."""
-    return hashlib.sha256(tokens.cpu().contiguous().numpy().tobytes()).hexdigest()[:16]
 
 
 SCENARIO_OPTIONS = ("model_name", "backend_spec", "batch_size", "input_len", "output_len", "num_iters",
@@ -163,8 +136,6 @@ def bench_command(ctx, wide, output_json, suite, scenario_names, baseline, check
     """Latency and throughput of generate: tokens/s, TPF, NFE, latency per request and per step."""
     import time
 
-    from rich.console import Console
-
     if roofline:
         return run_roofline(ctx, options, gpu_name or "h200", output_json, precision)
     if gpu_name is not None:
@@ -196,7 +167,7 @@ def bench_command(ctx, wide, output_json, suite, scenario_names, baseline, check
                                    "need --suite")
         scenario = Scenario(model=options["model_name"], backends=tuple(options["backend_spec"].split(",")),
                             **{k: v for k, v in options.items() if k not in ("model_name", "backend_spec")})
-        results = {scenario.name: run_scenario(scenario, Console(stderr=True), wide)}
+        results = {scenario.name: run_and_show(scenario, wide)}
         suite_name = None
     else:
         given = [name for name in SCENARIO_OPTIONS
@@ -215,11 +186,11 @@ def bench_command(ctx, wide, output_json, suite, scenario_names, baseline, check
         if unknown:
             raise ArgumentError(f"{suite} has no scenario {unknown[0]!r} (it has: {', '.join(sorted(known))})")
         scenarios = [s for s in scenarios if not scenario_names or s.name in scenario_names]
-        results = {s.name: run_scenario(s, Console(stderr=True), wide, gated=True) for s in scenarios}
+        results = {s.name: run_and_show(s, wide, gated=True) for s in scenarios}
         if check:  # a failed gate's run still goes into the history and the plot
             findings, verdict = bench_gate.run_gate(
                 suite_name, scenarios, results, expected, machine_class(),
-                lambda again: run_scenario(again, Console(stderr=True), wide, gated=True), summary, junit, started)
+                lambda again: run_and_show(again, wide, gated=True), summary, junit, started)
             if findings:
                 failed = click.ClickException(verdict)
             else:
@@ -229,7 +200,9 @@ def bench_command(ctx, wide, output_json, suite, scenario_names, baseline, check
             recorded = bench_gate.record(suite_name, results, machine_class())
             bench_gate.save_baseline(baseline, bench_gate.updated(kept, recorded, subset=bool(scenario_names)))
     if output_json is not None:
-        write_json(output_json, suite_name, results)
+        from dlmrt.bench.scenario_run import write_results
+
+        write_results(output_json, suite_name, results)
     if history is not None or plot_path is not None:
         from dlmrt.bench.benchmark import environment
 
@@ -264,6 +237,8 @@ def run_roofline(ctx: click.Context, options: dict, gpu_name: str, output_json: 
     meta = in_precision(meta_model(options["model_name"], options["dtype"]), precision)
     measured_on = None
     if source("device") == COMMANDLINE:
+        from dlmrt.bench.models import open_model
+
         measured_on = in_precision(open_model(options["model_name"], str(meta.dtype).removeprefix("torch."),
                                               options["device"]), precision)
     roofline_report.run(meta, gpu, options["batch_size"], input_len=options["input_len"],
@@ -272,189 +247,21 @@ def run_roofline(ctx: click.Context, options: dict, gpu_name: str, output_json: 
                         measured_on=measured_on, output_json=output_json)
 
 
-def write_json(path: Path, suite_name: str | None, results: dict) -> None:
-    from dlmrt.core import atomic
-    from dlmrt.bench.benchmark import environment
-
-    document = {"format_version": BENCH_FORMAT_VERSION, "suite": suite_name, "environment": environment(),
-                "scenarios": results}
-    atomic.write_text(path, json.dumps(document, indent=2) + "\n")
-
-
-def run_scenario(scenario: Scenario, console, wide: bool, gated: bool = False) -> dict:
-    """One scenario, every case side by side: its table printed (`wide`: with every column), its rows
-    and settings returned. Each case's speed against the first is the median of the rounds' paired
-    ratios, with its bootstrap interval. `gated` (a suite's run) also times the canary in the same
-    rounds and counts each case's work (`dlmrt.bench.counted`)."""
-    import torch
+def run_and_show(scenario: Scenario, wide: bool, gated: bool = False) -> dict:
+    """`dlmrt.bench.scenario_run.run_scenario` with its progress on stderr, then its table printed (`wide`: with
+    every column); its results returned."""
     from rich.console import Console
-    from rich.progress import Progress
 
-    from dlmrt.bench.benchmark import summarize
-    from dlmrt.bench.canary import LABEL as CANARY
-    from dlmrt.bench.paired import median_with_ci, paired_ratios
-    from dlmrt.bench.step_case import default_cache
-    from dlmrt.runtime import GenerationSettings, make_policy
+    from dlmrt.bench.scenario_run import run_scenario
 
     backends = parse_backends(",".join(scenario.backends))
-    model = open_model(scenario.model, scenario.dtype, scenario.device)
-    block_length = scenario.block_length or min(32, scenario.output_len)
-    cache = scenario.cache or default_cache(model)
-    policy = make_policy(scenario.policy, threshold=scenario.threshold, factor=scenario.factor, steps=scenario.steps,
-                         generation_config=model.generation_config)
-    settings = GenerationSettings(scenario.output_len, block_length, policy, cache=cache, ignore_eos=True)
-    settings.validate(model.block_causal)
-    special = {model.tokens.mask_id, model.tokens.pad_id, *model.tokens.eos_ids}
-    allowed = torch.tensor([i for i in range(model.vocab_size) if i not in special])
-    chosen = torch.randint(len(allowed), (scenario.batch_size, scenario.input_len),
-                           generator=torch.Generator().manual_seed(scenario.seed))
-    prompts = allowed[chosen].tolist()
-    threads = bench_suite.GATE_THREADS if gated else None
-    if threads is not None:
-        torch.set_num_threads(threads)
-    with tempfile.TemporaryDirectory() as scratch, Progress(console=console, transient=True) as progress:
-        cases, tokens = make_cases(model, backends, prompts, settings, Path(scratch), console, threads,
-                                   runs=scenario.num_iters + scenario.num_iters_warmup)
-        timed = timed_rounds(cases, scenario.num_iters, scenario.num_iters_warmup, progress, canary=gated)
-        rows = [summarize(case.label, timed.results[case.label], timed.seconds[case.label], timed.warmups[case.label])
-                for case in cases]
-        work = count_cases(model, backends, prompts, settings, Path(scratch), progress) if gated else None
-    first = next((row for row in rows if row["setting"] != "reference"), rows[0])
-    for row in rows:
-        row["tokens_sha256"] = tokens[row["setting"]]
-        row["same_tokens"] = None if row["setting"] == "reference" else row["tokens_sha256"] == tokens[first["setting"]]
-        speed = median_with_ci(paired_ratios(rows[0]["seconds_runs"], row["seconds_runs"]))
-        row["speedup"], row["speedup_ci"] = speed.median, [speed.low, speed.high]
-        if work is not None:
-            row["work"] = work.get(row["setting"])
-    canary = None
-    if gated:
-        against = median_with_ci(paired_ratios(timed.seconds[CANARY], rows[0]["seconds_runs"]))
-        canary = {**against._asdict(), "seconds": statistics.median(timed.seconds[CANARY])}
-    exact = None
-    if scenario.exact_match_per_task:
-        from dlmrt.eval import evaluation
-        from dlmrt.core import tasks
-
-        from dlmrt.runtime.settings import lengths_with_defaults
-
-        # at the model's own lengths: the tiny model knows one, and scores 0 at the scenario's output_len
-        gen_length, scored_block = lengths_with_defaults(model, None, None)
-        examples = tasks.examples("test", scenario.exact_match_per_task, seed=0)
-        score = evaluation.exact_match(model, examples, dataclasses.replace(
-            settings, gen_length=gen_length, block_length=scored_block, ignore_eos=False), mode="eager")
-        exact = {"correct": score.correct, "total": score.total}
+    if any(name == "ort" for name, _ in backends):
+        require_onnx_extra()
+    run = run_scenario(scenario, backends, Console(stderr=True), gated)
     Console(width=None if sys.stdout.isatty() else WIDE_TABLE_WIDTH if wide else TABLE_WIDTH).print(
-        results_table(rows, f"{scenario.name}: {model.name}", scenario.batch_size, scenario.input_len, settings,
-                      exact, wide))
-    return {"scenario": bench_suite.scenario_dict(scenario), "model": model.name,
-            "settings": {"policy": policy.name, **dataclasses.asdict(policy), "cache": cache,
-                         "block_length": block_length, "dtype": str(model.dtype)},
-            "cases": rows, "exact_match": exact, "canary": canary}
-
-
-def make_cases(model, backends, prompts, settings, scratch: Path, console, ort_threads: int | None = None,
-               outputs: dict | None = None, runs: int = 1):
-    """One benchmark Case per backend; `tokens` fills with each case's token digest as it runs, and
-    `outputs` (when given) with its generated tokens. The reference case is LLaDA's plain loop (fixed
-    policy, one token a step, no cache) on the same prompts. ONNX Runtime runs `ort_threads` intra-op
-    threads (None: its default). torch:auto on a CPU runs what `dlmrt generate` would for the case's
-    `runs` runs (`cpu_mode`), and says which."""
-    from dlmrt.bench.benchmark import Case
-    from dlmrt.runtime import Fixed, Generator, reference
-    from dlmrt.runtime.torch_backend import TorchBackend
-
-    tokens: dict[str, str] = {}
-    quantized: dict[str, object] = {}  # the model in each precision a torch case names, made once
-
-    def keep(label: str, generated) -> None:
-        tokens[label] = token_hash(generated)
-        if outputs is not None:
-            outputs[label] = generated
-
-    cases = []
-    for name, mode in backends:
-        label = f"{name}:{mode}" if mode else name
-        if name == "reference":
-            plain = dataclasses.replace(settings, policy=Fixed(), cache="none")
-
-            def run(label=label, plain=plain):
-                result = reference.generate(model, prompts, plain)
-                keep(label, result.tokens)
-                return result.metrics
-            cases.append(Case(label, run))
-            continue
-        if name == "torch":
-            mode, precision = split_case(mode)
-            if precision and precision not in quantized:
-                quantized[precision] = fp8_model(model)
-            case_model = quantized[precision] if precision else model
-            if mode == "auto" and model.device.type == "cpu":
-                from dlmrt.runtime import cpu_mode
-
-                mode = cpu_mode.auto_mode(case_model, cpu_mode.work_of(case_model, settings, prompts, len(prompts),
-                                                                       runs))
-                console.print(f"{label} runs {mode} on this CPU for this work")
-            generator = Generator(TorchBackend(case_model, mode=mode, max_batch=len(prompts)))
-        else:
-            from dlmrt.cli.errors import require_onnx_extra
-
-            require_onnx_extra()  # before the imports that need it
-            from dlmrt.export.export_manifest import MANIFEST_FILE
-            from dlmrt.export.onnx_export import export
-            from dlmrt.runtime.layout import canvas_length
-            from dlmrt.runtime.ort_backend import OrtBackend
-
-            # exactly the canvas these prompts need: a block more overran the tiny model's context on the defaults
-            length = canvas_length(prompts, settings.gen_length, settings.block_length, block_causal=model.block_causal)
-            export_dir = scratch / "export"
-            if not (export_dir / MANIFEST_FILE).exists():
-                with console.status(f"exporting {model.name} for ONNX Runtime"):
-                    export(model, export_dir, max_batch=len(prompts), max_length=length)
-            if mode is not None:
-                from dlmrt.quant.cpu_int import quantize_export
-
-                with console.status(f"quantizing the export: {mode}"):
-                    export_dir = quantize_export(export_dir, case_export(scratch, label), precision=mode)
-            generator = Generator(OrtBackend(export_dir, spinning=False, threads=ort_threads))  # between torch's
-
-        def run(label=label, generator=generator):
-            result = generator.generate(prompts, settings)
-            keep(label, result.tokens)
-            return result.metrics
-        cases.append(Case(label, run))
-    return cases, tokens
-
-
-def timed_rounds(cases, rounds: int, warmups: int, progress, canary: bool):
-    """Every case, and with `canary` the canary, interleaved round by round."""
-    from dlmrt.bench.canary import canary_case
-    from dlmrt.bench.paired import interleaved_rounds
-
-    timed = [*cases, canary_case()] if canary else list(cases)
-    task = progress.add_task("benchmarking", total=len(timed) * (rounds + warmups))
-    return interleaved_rounds(timed, rounds, warmups, advance=lambda: progress.advance(task))
-
-
-def case_export(scratch: Path, label: str) -> Path:
-    """Where an ort case's export lies: the float one, or its quantized copy (ort:int8 ...)."""
-    _, _, precision = label.partition(":")
-    return scratch / (precision or "export")
-
-
-def count_cases(model, backends, prompts, settings, scratch: Path, progress) -> dict[str, dict]:
-    """Each case's counted work, from one instrumented run of a backend built as the case's was. The
-    reference loop is the timing's yardstick, not a product: counting it (some 10 s a scenario) would
-    only repeat what eager's counts see in the model."""
-    from dlmrt.bench.counted import count_work
-
-    counted = [f"{name}:{mode}" if mode else name for name, mode in backends if name != "reference"]
-    task = progress.add_task("counting work", total=len(counted))
-    work = {}
-    for label in counted:
-        work[label] = count_work(label, model, prompts, settings, export_dir=case_export(scratch, label)).as_dict()
-        progress.advance(task)
-    return work
+        results_table(run.result["cases"], f"{scenario.name}: {run.result['model']}", scenario.batch_size,
+                      scenario.input_len, run.settings, run.result["exact_match"], wide))
+    return run.result
 
 
 def results_table(rows: list[dict], title: str, batch: int, input_len: int, settings, exact_match: dict | None,

@@ -102,7 +102,7 @@ def serve_command(model_dir, backend, mode, device, dtype, max_batch, host, port
         require_ray_extra()
     import uvicorn
 
-    from dlmrt.serve.app import ServerLimits
+    from dlmrt.serve.app import ServerLimits, build_app
     from dlmrt.serve.cors import parse_origins
     from dlmrt.serve.transport import server_config
 
@@ -112,12 +112,13 @@ def serve_command(model_dir, backend, mode, device, dtype, max_batch, host, port
                           shutdown_timeout_s=shutdown_timeout)
     opening = {"backend": backend, "model_dir": model_dir, "mode": mode, "device": device, "dtype": dtype,
                "max_batch": max_batch}
-    build = functools.partial(build_app, opening, limits=limits, served_model_name=served_model_name,
+    open_model = functools.partial(open_served, opening)
+    build = functools.partial(build_app, open_model, model_dir, limits=limits, served_model_name=served_model_name,
                               allowed_origins=parse_origins(allowed_origins))
     checked = checked_plan(tp, ep, backend, model_dir, dtype, device) if max(tp, ep) > 1 else None
     if replicas is not None:
-        return _serve_replicas(opening, build, checked, limits, host, port, log_level, replicas, threads_per_replica,
-                               autoscale)
+        return _serve_replicas(opening, open_model, build, checked, limits, host, port, log_level, replicas,
+                               threads_per_replica, autoscale)
 
     def run_server(parallel=None, leader=None) -> None:
         app = build(parallel=parallel, leader=leader)
@@ -130,27 +131,14 @@ def serve_command(model_dir, backend, mode, device, dtype, max_batch, host, port
 
     if checked is None:
         return run_server()
-    from dlmrt.cli.serve_ranks import serve_on_ranks
+    from dlmrt.parallel.serving import serve_on_ranks
 
-    serve_on_ranks(checked, opening, run_server)
-
-
-def build_app(opening: dict, *, limits, served_model_name, allowed_origins=(), parallel=None, leader=None):
-    """The server's app over the backend that `opening` (open_backend's options) names: what `dlmrt serve`
-    runs, and what each of its replicas builds (in its own process) under --replicas. On rank 0 of a split
-    model, `parallel` is its (ParallelPlan, Ranks), and `leader` its link to the ranks that follow its batches."""
-    from dlmrt import TINY_MODEL_DIR
-    from dlmrt.core.chat_template import load_chat_template
-    from dlmrt.serve.app import create_app
-
-    model, built = open_served(opening, parallel)
-    return create_app(model, built, limits, served_model_name,
-                      chat_template=load_chat_template(opening["model_dir"] or TINY_MODEL_DIR), leader=leader,
-                      allowed_origins=allowed_origins)
+    serve_on_ranks(*checked, open_model, run_server)
 
 
 def open_served(opening: dict, parallel):
-    """(model, backend) of the server's options `opening`; `parallel`: a rank's (ParallelPlan, Ranks)."""
+    """(model, backend) of the server's options `opening` (open_backend's); `parallel`: a rank's (ParallelPlan,
+    Ranks). Pickled by reference into the ranks and replicas that open the model themselves."""
     from rich.console import Console
 
     from dlmrt.cli.backends import open_backend
@@ -158,7 +146,8 @@ def open_served(opening: dict, parallel):
     return open_backend(**opening, engines=None, precision=None, console=Console(stderr=True), parallel=parallel)
 
 
-def _serve_replicas(opening: dict, build, checked, limits, host, port, log_level, replicas, threads, autoscale):
+def _serve_replicas(opening: dict, open_model, build, checked, limits, host, port, log_level, replicas, threads,
+                    autoscale):
     """--replicas: check what can be checked here, then `dlmrt.serve.replicas` until SIGINT or SIGTERM.
     `checked`: the (ParallelPlan, device) of a model split over ranks, each replica spanning them; or None."""
     import torch
@@ -183,9 +172,9 @@ def _serve_replicas(opening: dict, build, checked, limits, host, port, log_level
         ensure_exported(model_dir or TINY_MODEL_DIR, dtype, Console(stderr=True))
     threads = threads or max(1, (os.cpu_count() or 1) // most)
     if checked is not None:
-        from dlmrt.cli.serve_ranks import build_split_app
+        from dlmrt.parallel.serving import build_split_app
 
-        build = functools.partial(build_split_app, *checked, max(1, threads // ranks), opening, build)
+        build = functools.partial(build_split_app, *checked, max(1, threads // ranks), open_model, build)
     plan = ReplicaPlan(replicas=replicas, threads=threads, limits=limits, max_batch=opening["max_batch"],
                        gpus=gpus, ranks=ranks, autoscale=autoscale, log_level=log_level)
     serve_replicas(build, plan, host=host, port=port, announce=lambda line: click.echo(line, err=True))

@@ -231,6 +231,30 @@ def default_grid(gen_length: int, block_length: int, noise: str = "mask") -> lis
     return [parse_setting(spec) for spec in specs]
 
 
+def base_and_grid(model: Denoiser | ExportedModel, grid: Sequence[Setting], *, gen_length: int | None,
+                  block_length: int | None, temperature: float, seed: int, cache: str,
+                  steps_per_sync: int | None) -> tuple[GenerationSettings, list[Setting]]:
+    """What every setting of the grid shares (its lengths at the model's defaults where not given), and the
+    grid: `grid`, or the default one at those lengths."""
+    from dlmrt.runtime import Fixed
+    from dlmrt.runtime.settings import lengths_with_defaults
+
+    lengths = lengths_with_defaults(model, gen_length, block_length)
+    base = GenerationSettings(gen_length=lengths[0], block_length=lengths[1], policy=Fixed(),
+                              temperature=temperature, seed=seed, cache=cache, steps_per_sync=steps_per_sync)
+    base.validate()
+    return base, list(grid) or default_grid(*lengths, model.noise)
+
+
+def grid_work(model: Denoiser | ExportedModel, examples: Sequence[Example], base: GenerationSettings,
+              grid: Sequence[Setting], batch_size: int):
+    """The `cpu_mode.Work` of a grid: every setting decodes every example."""
+    from dlmrt.runtime import cpu_mode
+
+    prompts = [text.encode(model, example.prompt) for example in examples]
+    return cpu_mode.work_of(model, base, prompts, batch_size, repeats=len(grid))
+
+
 # -- reports ------------------------------------------------------------------------------------
 
 def results_document(model_name: str, examples: int, base: GenerationSettings,

@@ -1,10 +1,10 @@
 """The export manifest, `dlmrt.json`: the one place that reads, checks and writes it.
 
 An export directory holds the step graphs and everything a runtime needs to run them without the
-torch model: the model's facts (sizes, dtype, block grid, whether it is ORL), its special token ids,
-the batch and length limits the graphs were exported for, each graph's file and I/O contract (the
-name, dtype and shape of every input and output, with the dynamic axes named), the sha256 of every
-file, and for a quantized copy how it was quantized.
+torch model: the model's description (`dlmrt.models.description`: sizes, dtype, block grid, whether
+it is ORL), its special token ids, the batch and length limits the graphs were exported for, each
+graph's file and I/O contract (the name, dtype and shape of every input and output, with the dynamic
+axes named), the sha256 of every file, and for a quantized copy how it was quantized.
 
 `ExportManifest.read` parses and checks the manifest; `load` also checks every file against its
 recorded hash. A malformed file gets one error that names the field; nothing else in dlmrt opens
@@ -19,15 +19,17 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from dlmrt.core import atomic, json_files
 from dlmrt.core.errors import CheckpointError
-from dlmrt.models.denoiser import SpecialTokens
+from dlmrt.models import FAMILIES
+from dlmrt.models.description import NOISE_KINDS, ModelDescription, SpecialTokens
 from dlmrt.models.step_graph import EDITING_INPUTS, GRAPHS, GUIDED_GRAPHS, LOGITS_OUTPUT
 from dlmrt.core.hashing import sha256_of
 
 MANIFEST_FILE = "dlmrt.json"
 FORMAT_VERSION = 1
-NOISE_KINDS = ("mask", "uniform")
 # A uniform-noise model's graphs (dlmrt/export/uniform_export.py), in place of the step graphs.
 CANVAS_GRAPHS = ("encode", "decode", "soft_tokens")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -65,26 +67,6 @@ class GraphEntry:
 
 
 @dataclass(frozen=True)
-class ModelFacts:
-    name: str
-    model_type: str
-    dtype: str  # torch's name: "float32", "bfloat16", ...
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    max_positions: int
-    block_causal: bool
-    block_grid: int | None  # the block length built into a block-causal model's graphs
-    residual: bool  # an ORL model: the graphs carry z and certainty
-    # Fields added after format version 1 was first written: absent in older manifests (their
-    # defaults), and left out of a manifest that keeps them at the defaults.
-    noise: str = "mask"  # "uniform": a model with no mask token, exported as CANVAS_GRAPHS
-    canvas_length: int | None = None  # a uniform-noise model's own canvas (its default block length)
-
-
-@dataclass(frozen=True)
 class ExportLimits:
     max_batch: int
     max_length: int
@@ -92,7 +74,7 @@ class ExportLimits:
 
 @dataclass(frozen=True)
 class ExportManifest:
-    model: ModelFacts
+    model: ModelDescription
     tokens: SpecialTokens
     limits: ExportLimits
     graphs: dict[str, GraphEntry]
@@ -156,6 +138,9 @@ class ExportManifest:
                 graph[role] = [{**tensor, "shape": list(tensor["shape"])} for tensor in graph[role]]
         if self.quantization is None:
             del data["quantization"]
+        del data["model"]["logits_shift"]  # the family's: read back from model_type
+        # Fields added after format version 1 was first written: absent in older manifests (their
+        # defaults), and left out of a manifest that keeps them at the defaults.
         for name, default in (("noise", "mask"), ("canvas_length", None)):
             if data["model"][name] == default:
                 del data["model"][name]
@@ -232,8 +217,11 @@ class ExportManifest:
             raise ExportManifestError(f"{source} has format version {version}, this dlmrt reads {FORMAT_VERSION}: "
                                       f"{_REEXPORT}")
         model = fields.section("model")
-        facts = ModelFacts(
-            name=model.text("name"), model_type=model.text("model_type"), dtype=model.text("dtype"),
+        model_type = model.text("model_type")
+        if model_type not in FAMILIES:
+            model.fail("model_type", f"must be a family dlmrt knows ({', '.join(FAMILIES)}), got {_shown(model_type)}")
+        facts = ModelDescription(
+            name=model.text("name"), model_type=model_type, dtype=model.text("dtype"),
             vocab_size=model.positive("vocab_size"), hidden_size=model.positive("hidden_size"),
             num_layers=model.positive("num_layers"), num_kv_heads=model.positive("num_kv_heads"),
             head_dim=model.positive("head_dim"), max_positions=model.positive("max_positions"),
@@ -241,7 +229,11 @@ class ExportManifest:
             block_grid=model.positive("block_grid") if model.value("block_grid") is not None else None,
             residual=model.boolean("residual"),
             noise="mask" if model.value("noise") is None else model.value("noise"),
-            canvas_length=model.positive("canvas_length") if model.value("canvas_length") is not None else None)
+            canvas_length=model.positive("canvas_length") if model.value("canvas_length") is not None else None,
+            logits_shift=FAMILIES[model_type].model_class.logits_shift)
+        if not _is_float_dtype(facts.dtype):
+            model.fail("dtype", f"must be the name of a torch floating-point dtype (float32, bfloat16, ...), got "
+                                f"{_shown(facts.dtype)}")
         if facts.noise not in NOISE_KINDS:
             model.fail("noise", f"must be one of {', '.join(NOISE_KINDS)} (absent: mask), got {_shown(facts.noise)}")
         model.done()
@@ -398,6 +390,11 @@ class _Fields:
         unknown = [key for key in self.data if key not in self.taken]
         if unknown:
             self.fail(unknown[0], "is not a field of this format version (written by a newer dlmrt?)")
+
+
+def _is_float_dtype(name: str) -> bool:
+    dtype = getattr(torch, name, None)
+    return isinstance(dtype, torch.dtype) and dtype.is_floating_point and str(dtype) == f"torch.{name}"
 
 
 def _shown(value: Any) -> str:

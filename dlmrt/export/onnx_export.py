@@ -17,34 +17,24 @@ leaves no directory that loads.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
-import json
-import logging
-import time
-import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import onnx
 import torch
 
-from dlmrt.core.version import __version__
-from dlmrt.core import atomic, limits
+from dlmrt.core import limits
 from dlmrt.core.errors import ArgumentError, UnsupportedFeatureError
-from dlmrt.models import checkpoint
-from dlmrt.export.export_manifest import ExportLimits, ExportManifest, GraphEntry, ModelFacts, TensorContract
-from dlmrt.models import Denoiser, SpecialTokens
+from dlmrt.core.version import __version__
+from dlmrt.export.export_writer import to_onnx, write_export
+from dlmrt.models import Denoiser, checkpoint
 from dlmrt.models.step_graph import GRAPHS, GUIDED_GRAPHS, StepGraph, input_names, output_names
-from dlmrt.core.hashing import sha256_of
 from dlmrt.ops.parallel_unmask import MEASURE_CODES, onnx_function
 from dlmrt.ops.residual_context import onnx_function as residual_function
 
 DEFAULT_OPSET = 18
-# Beyond this, weights go to external data files (protobuf caps a file at 2 GiB).
-EXTERNAL_DATA_BYTES = 1 << 30
 EXPORTABLE_FAMILIES = ("llada", "llada2_moe", "Dream", "sdar", "diffusion_gemma")
 # The dlmrt custom ops a step graph may hold, by (domain, op_type): their onnx_function modules.
 CUSTOM_OPS = {(f.DOMAIN, f.OP_TYPE): f for f in (onnx_function, residual_function)}
@@ -136,55 +126,16 @@ def attach_custom_op(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
-@contextlib.contextmanager
-def _quiet_exporter():
-    """Hide the exporter's log lines (e.g. that torchvision is not installed), which concern no user."""
-    logger = logging.getLogger("torch.onnx")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
-
-
 def export_graph(model: Denoiser, graph: str, grid: int | None, opset: int, max_batch: int,
                  max_length: int) -> onnx.ModelProto:
     residual = model.residual_config is not None
     names = input_names(graph, residual)
     examples = _example_inputs(model, graph)
-    dynamic = _dynamic_shapes(graph, names, max_batch, max_length)
-    with warnings.catch_warnings(), torch.no_grad(), _quiet_exporter():
-        warnings.simplefilter("ignore")  # the exporter's notes on dimension names are not the user's concern
-        program = torch.onnx.export(
-            StepGraph(model, graph, grid).eval(), (), kwargs={name: examples[name] for name in names},
-            dynamo=True, dynamic_shapes=dynamic,
-            opset_version=opset, input_names=names, output_names=output_names(residual), verbose=False,
-            custom_translation_table={
-                torch.ops.dlmrt.parallel_unmask.default: onnx_function.parallel_unmask_translation,
-                torch.ops.dlmrt.residual_context.default: residual_function.residual_context_translation})
-    onnx_model = attach_custom_op(program.model_proto)
-    _check_dynamic(onnx_model, dynamic)
-    onnx_model.producer_name, onnx_model.producer_version = "dlmrt", __version__
-    return onnx_model
-
-
-def _check_dynamic(onnx_model: onnx.ModelProto, dynamic: dict[str, dict]) -> None:
-    """The exporter falls back to fixed shapes when it cannot keep a dimension dynamic: refuse that."""
-    for value in onnx_model.graph.input:
-        dims = value.type.tensor_type.shape.dim
-        fixed = [axis for axis in dynamic.get(value.name, {}) if not dims[axis].dim_param]
-        if fixed:
-            raise RuntimeError(f"the ONNX exporter fixed axis {fixed[0]} of input {value.name!r} to "
-                               f"{dims[fixed[0]].dim_value} instead of keeping it dynamic (a dlmrt bug)")
-
-
-def save_graph(onnx_model: onnx.ModelProto, path: Path) -> None:
-    """Save a step graph; one over EXTERNAL_DATA_BYTES keeps its weights in `<name>.data` beside it
-    (protobuf cannot hold 2 GiB)."""
-    large = onnx_model.ByteSize() > EXTERNAL_DATA_BYTES
-    onnx.save_model(onnx_model, path, save_as_external_data=large, all_tensors_to_one_file=True,
-                    location=f"{path.name}.data")
+    return attach_custom_op(to_onnx(
+        StepGraph(model, graph, grid), {name: examples[name] for name in names},
+        _dynamic_shapes(graph, names, max_batch, max_length), opset, output_names(residual),
+        {torch.ops.dlmrt.parallel_unmask.default: onnx_function.parallel_unmask_translation,
+         torch.ops.dlmrt.residual_context.default: residual_function.residual_context_translation}))
 
 
 def export(model: Denoiser, out_dir: str | Path, *, opset: int = DEFAULT_OPSET, block_length: int | None = None,
@@ -221,45 +172,8 @@ def export(model: Denoiser, out_dir: str | Path, *, opset: int = DEFAULT_OPSET, 
     names = GRAPHS + (GUIDED_GRAPHS if guidance else ())
     return write_export(model, out_dir, {graph: functools.partial(export_graph, model, graph, grid, opset, max_batch,
                                                                   max_length) for graph in names},
-                        graph_file, dict(block_grid=grid, residual=model.residual_config is not None),
-                        opset=opset, max_batch=max_batch, max_length=max_length, on_graph=on_graph)
-
-
-def write_export(model: Denoiser, out_dir: str | Path, graphs: Mapping[str, Callable[[], onnx.ModelProto]],
-                 file_of: Callable[[str], str], facts: Mapping[str, Any], *, opset: int, max_batch: int,
-                 max_length: int, on_graph: Callable[[str], None] | None) -> Path:
-    """Write an export directory atomically: each graph `graphs[name]()` makes (checked, as `file_of(name)`),
-    the model's tokenizer and generation config, and the manifest, whose model facts `facts` completes."""
-    started = time.perf_counter()
-    out_dir = Path(out_dir)
-    with atomic.directory(out_dir, replaces=ExportManifest.present, what="a dlmrt export") as staging:
-        entries = {}
-        for graph, make in graphs.items():
-            onnx_model = make()
-            path = staging / file_of(graph)
-            save_graph(onnx_model, path)
-            onnx.checker.check_model(path, full_check=True)
-            entries[graph] = GraphEntry(file=path.name, inputs=TensorContract.of_values(onnx_model.graph.input),
-                                        outputs=TensorContract.of_values(onnx_model.graph.output))
-            if on_graph is not None:
-                on_graph(graph)
-        if model.tokenizer is not None:  # so that an export directory is all a runtime needs
-            atomic.write_text(staging / "tokenizer.json", model.tokenizer.to_str())
-        checkpoint.copy_tokenizer_config(model, staging)  # the chat template, for `dlmrt serve`
-        atomic.write_text(staging / "generation_config.json", json.dumps(model.generation_config, indent=2))
-        files = {p.name: sha256_of(p) for p in sorted(staging.iterdir()) if p.is_file()}
-        ExportManifest(
-            model=ModelFacts(name=model.name, model_type=model.model_type, dtype=str(model.dtype).split(".")[-1],
-                             vocab_size=model.vocab_size, hidden_size=model.hidden_size,
-                             num_layers=model.num_layers, num_kv_heads=model.num_kv_heads,
-                             head_dim=model.head_dim, max_positions=model.max_positions,
-                             block_causal=model.block_causal, **facts),
-            tokens=SpecialTokens(model.tokens.mask_id, tuple(model.tokens.eos_ids), model.tokens.pad_id),
-            limits=ExportLimits(max_batch=max_batch, max_length=max_length), graphs=entries, files=files,
-            opset=opset, dlmrt_version=__version__, torch_version=torch.__version__,
-            onnx_version=onnx.__version__, exported_s=round(time.perf_counter() - started, 2),
-        ).save(staging)
-    return out_dir
+                        graph_file, block_grid=grid, opset=opset, max_batch=max_batch, max_length=max_length,
+                        on_graph=on_graph)
 
 
 def cached_export_dir(model_dir: str | Path, dtype: str, opset: int = DEFAULT_OPSET) -> Path:

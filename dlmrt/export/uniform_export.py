@@ -45,7 +45,6 @@ sums as the eager code's routed tokens.
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -53,9 +52,9 @@ import onnx
 import torch
 from torch import Tensor, nn
 
-from dlmrt.core.version import __version__
 from dlmrt.core.errors import UnsupportedFeatureError
 from dlmrt.export.export_manifest import CANVAS_GRAPHS
+from dlmrt.export.export_writer import to_onnx, write_export
 from dlmrt.models import Denoiser
 from dlmrt.models.residual import Residual
 
@@ -164,19 +163,8 @@ def _dynamic_shapes(graph: str, max_batch: int, max_length: int) -> dict[str, di
 
 
 def export_graph(model: Denoiser, graph: str, opset: int, max_batch: int, max_length: int) -> onnx.ModelProto:
-    from dlmrt.export.onnx_export import _check_dynamic, _quiet_exporter
-
-    examples = _example_inputs(model, graph)
-    dynamic = _dynamic_shapes(graph, max_batch, max_length)
-    with warnings.catch_warnings(), torch.no_grad(), _quiet_exporter():
-        warnings.simplefilter("ignore")  # the exporter's notes on dimension names are not the user's concern
-        program = torch.onnx.export(GRAPH_MODULES[graph](model).eval(), (), kwargs=examples, dynamo=True,
-                                    dynamic_shapes=dynamic, opset_version=opset, input_names=list(INPUTS[graph]),
-                                    output_names=list(OUTPUTS[graph]), verbose=False)
-    onnx_model = program.model_proto
-    _check_dynamic(onnx_model, dynamic)
-    onnx_model.producer_name, onnx_model.producer_version = "dlmrt", __version__
-    return onnx_model
+    return to_onnx(GRAPH_MODULES[graph](model), _example_inputs(model, graph),
+                   _dynamic_shapes(graph, max_batch, max_length), opset, list(OUTPUTS[graph]))
 
 
 def check_exportable(model: Denoiser) -> None:
@@ -192,12 +180,9 @@ def export(model: Denoiser, out_dir: str | Path, *, opset: int, max_batch: int, 
            on_graph: Callable[[str], None] | None = None) -> Path:
     """Write the encode, decode and soft-token graphs of the uniform-noise `model` and their manifest to
     `out_dir`, atomically. The arguments are checked by `onnx_export.export`, which calls this."""
-    from dlmrt.export.onnx_export import write_export
-
     check_exportable(model)
     model.eval()
     return write_export(model, out_dir, {graph: functools.partial(export_graph, model, graph, opset, max_batch,
                                                                   max_length) for graph in CANVAS_GRAPHS},
-                        graph_file, dict(block_grid=None, residual=False, noise="uniform",
-                                         canvas_length=model.canvas_length),
-                        opset=opset, max_batch=max_batch, max_length=max_length, on_graph=on_graph)
+                        graph_file, block_grid=None, opset=opset, max_batch=max_batch, max_length=max_length,
+                        on_graph=on_graph)

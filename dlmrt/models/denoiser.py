@@ -19,14 +19,9 @@ from torch import Tensor, nn
 
 from dlmrt.core.errors import ArgumentError
 from dlmrt.models import residual as residual_context
+from dlmrt.models.description import ModelDescription, SpecialTokens
 from dlmrt.models.layers import attention_mask, rotary_tables
 from dlmrt.models.residual import Residual, ResidualConfig
-
-
-class SpecialTokens(NamedTuple):
-    mask_id: int | None  # None for uniform-noise families, which have no mask token
-    eos_ids: tuple[int, ...]
-    pad_id: int
 
 
 class PastKV(NamedTuple):
@@ -109,6 +104,7 @@ class Denoiser(nn.Module, ABC):
     rotary_dim: int
     rope_theta: float
     max_positions: int
+    canvas_length: int | None = None  # a uniform-noise family's own canvas
 
     @abstractmethod
     def input_embedding(self) -> nn.Embedding: ...
@@ -130,6 +126,16 @@ class Denoiser(nn.Module, ABC):
     def vocab_size(self) -> int:
         """Width of the logits (rows of the input embedding)."""
         return self.input_embedding().num_embeddings
+
+    @property
+    def description(self) -> ModelDescription:
+        """What the export manifest and the runtime know of this model (`dlmrt.models.description`)."""
+        return ModelDescription(
+            name=self.name, model_type=self.model_type, dtype=str(self.dtype).removeprefix("torch."),
+            vocab_size=self.vocab_size, hidden_size=self.hidden_size, num_layers=self.num_layers,
+            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, max_positions=self.max_positions,
+            block_causal=self.block_causal, block_grid=None, residual=self.residual_config is not None,
+            noise=self.noise, canvas_length=self.canvas_length, logits_shift=self.logits_shift)
 
     @property
     def dtype(self) -> torch.dtype:

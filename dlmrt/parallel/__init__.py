@@ -6,6 +6,8 @@
     tensor_parallel.py  the TP split of a loaded denoiser: heads, MLPs, experts, a vocabulary-parallel head
     experts.py          the EP split of a MoE's experts
     vocab.py            the step, the ORL residual and DiffusionGemma's step from a vocabulary slice
+    lockstep.py         rank 0's batches replayed by the other ranks of a served model
+    serving.py          serving a split model: rank 0 serves, the others follow (alone, torchrun's, a replica's)
 
 Design notes: docs/parallelism.md.
 """

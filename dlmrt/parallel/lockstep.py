@@ -30,7 +30,8 @@ import torch.distributed as dist
 
 from dlmrt.parallel.ranks import Ranks
 from dlmrt.runtime.backend import Backend
-from dlmrt.runtime.running_batch import BlockProgress, RunningBatch, open_batch
+from dlmrt.runtime.batches import open_batch
+from dlmrt.runtime.running_batch import BlockProgress, RunningBatch
 from dlmrt.runtime.settings import GenerationSettings
 
 # How long a follower waits for rank 0's next message: an idle server sends none.

@@ -46,7 +46,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from dlmrt.quant import nvfp4
 from dlmrt.quant.nvfp4 import BLOCK_SIZE, QuantizationError
-from dlmrt.export.onnx_export import save_graph
+from dlmrt.export.export_writer import save_graph
 
 OPSET = 23
 IR_VERSION = 11

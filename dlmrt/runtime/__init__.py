@@ -13,8 +13,9 @@ import importlib
 _MODULE_OF = {
     **dict.fromkeys(("BlockUpdate", "GenerationResult", "GenerationStream", "Generator", "RowOutput"), "generator"),
     "GenerationMetrics": "metrics",
-    **dict.fromkeys(("Dream", "EntropyBound", "Factor", "Fixed", "LLaDA2", "LLaDA21", "MaskPolicy", "Policy",
-                     "ResidualPolicy", "Threshold", "make_policy"), "policies"),
+    **dict.fromkeys(("Dream", "Factor", "Fixed", "LLaDA2", "LLaDA21", "MaskPolicy", "Policy", "ResidualPolicy",
+                     "Threshold", "make_policy"), "policies"),
+    "EntropyBound": "uniform_policy",
     "POLICIES": "policy_registry",
     **dict.fromkeys(("CACHE_MODES", "GenerationSettings"), "settings"),
 }

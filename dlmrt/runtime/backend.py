@@ -13,63 +13,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from dlmrt.core.errors import ArgumentError
+from dlmrt.runtime.model_spec import ModelSpec
 
 if TYPE_CHECKING:
-    from pathlib import Path
-
     from torch import Tensor
 
-    from dlmrt.export.export_manifest import ExportManifest
     from dlmrt.models.denoiser import LayerGroupKV
     from dlmrt.runtime.buckets import BucketLadder
     from dlmrt.runtime.uniform_state import CacheGroup
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """What the loop needs to know about the model behind a backend."""
-
-    name: str
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    max_positions: int
-    mask_id: int | None  # None for uniform-noise models
-    eos_ids: tuple[int, ...]
-    pad_id: int
-    block_causal: bool
-    has_residual: bool
-    dtype: torch.dtype
-    device: torch.device
-    # How to lift the limits of what a compiled backend was built for.
-    limits_hint: str = ""
-    block_grid: int | None = None  # the block-causal grid a compiled graph was built with
-    supports_guidance: bool = True
-    supports_editing: bool = True  # the graphs take token editing's inputs (exports before it do not)
-    supports_logprobs: bool = True  # the step graphs can return the block's logits (exports before it cannot)
-    # Ranks the vocabulary is split over (tensor parallelism): each holds its slice of the logits, never the whole
-    vocab_ranks: int = 1
-    logits_shift: int = 0  # Denoiser.logits_shift: a window over a cache starts this many positions early
-    noise: str = "mask"  # Denoiser.noise: "uniform" for models with no mask token (DiffusionGemma)
-
-    @classmethod
-    def of_export(cls, manifest: ExportManifest, export_dir: Path, device: torch.device) -> ModelSpec:
-        """The spec of the graphs in an export directory, from its manifest alone."""
-        from dlmrt.models import FAMILIES
-
-        model, tokens = manifest.model, manifest.tokens
-        return cls(
-            name=model.name, vocab_size=model.vocab_size, hidden_size=model.hidden_size,
-            num_layers=model.num_layers, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
-            max_positions=manifest.limits.max_length, mask_id=tokens.mask_id, eos_ids=tokens.eos_ids,
-            pad_id=tokens.pad_id, block_causal=model.block_causal, has_residual=model.residual,
-            dtype=getattr(torch, model.dtype), device=device,
-            limits_hint=f"re-export with `dlmrt export ... -o {export_dir} --max-batch B --max-length N`",
-            block_grid=model.block_grid, supports_guidance=manifest.supports_guidance,
-            supports_editing=manifest.supports_editing, supports_logprobs=manifest.supports_logprobs,
-            logits_shift=FAMILIES[model.model_type].model_class.logits_shift, noise=model.noise)
 
 
 @dataclass(frozen=True)

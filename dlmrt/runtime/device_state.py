@@ -16,18 +16,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from dlmrt.core import limits
 from dlmrt.runtime.buckets import Bucket
+from dlmrt.runtime.model_spec import ModelSpec
 from dlmrt.runtime.layout import Layout
 from dlmrt.runtime.static_buffers import StaticBuffers, shifted_copy
-
-if TYPE_CHECKING:
-    from dlmrt.runtime.backend import ModelSpec
 
 
 @dataclass

@@ -20,7 +20,8 @@ from dlmrt.runtime.backend import GraphOptions
 from dlmrt.runtime.device_state import DeviceState
 
 if TYPE_CHECKING:
-    from dlmrt.runtime.backend import Backend, ModelSpec
+    from dlmrt.runtime.backend import Backend
+    from dlmrt.runtime.model_spec import ModelSpec
 
 
 @dataclass(frozen=True)

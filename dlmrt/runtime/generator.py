@@ -21,7 +21,8 @@ from torch import Tensor
 from dlmrt.core.errors import ArgumentError
 from dlmrt.runtime.backend import Backend
 from dlmrt.runtime.metrics import GenerationMetrics, peak_memory_bytes, reset_peak_memory
-from dlmrt.runtime.running_batch import BlockUpdate, CancelToken, open_batch
+from dlmrt.runtime.batches import open_batch
+from dlmrt.runtime.running_batch import BlockUpdate, CancelToken
 from dlmrt.runtime.settings import GenerationSettings, check_request
 from dlmrt.runtime.text import completion
 

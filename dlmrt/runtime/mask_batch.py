@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dlmrt.ops.parallel_unmask import MEASURE_CODES
 from dlmrt.runtime import device_step
 from dlmrt.runtime import layout as layouts
 from dlmrt.runtime.buckets import Bucket
@@ -58,10 +57,7 @@ class MaskBatch(RunningBatch):
         alone = layouts.build([prompt], settings.gen_length, block, block_causal=spec.block_causal,
                               pad_id=spec.pad_id, mask_id=spec.mask_id)
         self.backend.ladder.canvas_for(alone.length, block)  # one clear error for a row no bucket holds
-        policy = settings.policy
-        params = {"threshold": policy.threshold_value, "factor": policy.factor_value,
-                  "temperature": settings.temperature, "seed": seed, "measure": MEASURE_CODES[policy.confidence],
-                  "edit_threshold": policy.edit_threshold_value, "max_post_steps": policy.post_steps}
+        params = {**settings.policy.row_params(), "temperature": settings.temperature, "seed": seed}
         # the row alone has no left padding: canvas index = position
         return MaskRow(settings=settings, params=params, layout=alone, block_position=alone.first_block_start,
                        prompt_length=int(alone.output_start[0]), end_position=int(alone.decode_end[0]), **common)
@@ -117,8 +113,8 @@ class MaskBatch(RunningBatch):
             key.cache, self.spec.block_causal, state.bucket.canvas, self.column, state.bucket.block,
             first_block=any(row.block == 0 for row in self.rows),
             sampling=any(row.settings.temperature > 0 for row in self.rows),
-            confidence=key.policy.confidence, editing=key.policy.edits,
-            logprobs=any(row.settings.logprobs is not None for row in self.rows), lookbehind=self.spec.logits_shift)
+            logprobs=any(row.settings.logprobs is not None for row in self.rows), lookbehind=self.spec.logits_shift,
+            **key.policy.step_flags())
         return budget, block
 
     def _calls(self, taken: int, steps: int) -> list[tuple[object, int]]:

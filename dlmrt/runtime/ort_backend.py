@@ -20,7 +20,8 @@ from dlmrt.core.errors import ArgumentError, MissingExtraError
 from dlmrt.export.cpu_quantized import check_quantized, is_cpu_quantized
 from dlmrt.export.export_manifest import ExportManifest
 from dlmrt.models.denoiser import LayerGroupKV
-from dlmrt.runtime.backend import Backend, GraphOptions, ModelSpec
+from dlmrt.runtime.backend import Backend, GraphOptions
+from dlmrt.runtime.model_spec import ModelSpec
 from dlmrt.runtime.uniform_state import CacheGroup, encoder_inputs, zero_cache
 from dlmrt.runtime.buckets import BucketLadder
 from dlmrt.runtime.ort_cache import OptimizedModelCache

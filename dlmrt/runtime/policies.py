@@ -2,10 +2,13 @@
 
 A policy is host-side bookkeeping plus a few per-row numbers the step graph
 takes as inputs (see `dlmrt.ops.parallel_unmask`): the minimum commits of
-each step (`count`, from a per-block schedule), a confidence `threshold`,
-Fast-dLLM's `factor`, and for token editing an `edit_threshold` and the
-editing-only steps a block may take after its last mask (`post_steps`).
-Changing a policy or its parameters never needs a new graph or engine.
+each step (`count`, from a per-block schedule), and what `row_params()`
+returns, by buffer name: a confidence `threshold`, Fast-dLLM's `factor`, the
+confidence `measure`, and for token editing an `edit_threshold` and the
+editing-only steps a block may take after its last mask (`max_post_steps`).
+The static options of the step programs that come from the policy (the
+confidence measure every row uses, whether steps edit) are its
+`step_flags()`. Changing a policy or its parameters never needs a new graph or engine.
 
 Each policy's per-step count, threshold and factor are tabled in docs/policies.md.
 
@@ -13,8 +16,9 @@ Every policy commits what is left of a block at the last step it may take, so a
 block always finishes within its step budget.
 
 Those are mask-based policies (`MaskPolicy`). A uniform-noise model (DiffusionGemma: no mask token, a
-canvas of random tokens) takes `entropy_bound` instead (`EntropyBound`, run by `dlmrt.runtime.uniform_noise`
-with the op `dlmrt.ops.entropy_bound`); each kind of policy refuses the other kind of model.
+canvas of random tokens) takes `entropy_bound` instead (`EntropyBound`, in `dlmrt.runtime.uniform_policy`,
+run by `dlmrt.runtime.uniform_noise` with the op `dlmrt.ops.entropy_bound`); each kind of policy refuses
+the other kind of model.
 
 `make_policy` builds a policy by its name in `dlmrt.runtime.policy_registry.POLICIES`.
 """
@@ -33,7 +37,7 @@ from torch import Tensor
 
 from dlmrt.core import limits
 from dlmrt.core.errors import ArgumentError
-from dlmrt.ops.parallel_unmask import CONFIDENCE_MEASURES, strictly_above
+from dlmrt.ops.parallel_unmask import CONFIDENCE_MEASURES, MEASURE_CODES, strictly_above
 from dlmrt.runtime.policy_registry import LLADA21_PRESETS, POLICIES, unknown_policy
 
 if TYPE_CHECKING:
@@ -93,10 +97,20 @@ class Policy(ABC):
         defaults = {f.name: f.default for f in dataclasses.fields(self) if f.name in self.row_fields}
         return dataclasses.replace(self, **defaults)
 
+    @abstractmethod
+    def row_params(self) -> dict[str, Any]:
+        """What the step reads from each row's own buffers, by buffer name: every such buffer, so that
+        a row leaves nothing of a slot's last row. The batch writes them as they are."""
+
+    def step_flags(self) -> dict[str, Any]:
+        """The step options this policy fixes for a whole batch, by the keyword of the noise kind's
+        step kinds (each value is a step program of its own)."""
+        return {}
+
     @property
     def edits(self) -> bool:
         """Whether the policy overwrites committed tokens (token editing)."""
-        return False
+        return bool(self.step_flags().get("editing", False))
 
     def validate(self, settings: GenerationSettings) -> None:
         """Raise ArgumentError for parameters that cannot work, before any compute."""
@@ -115,14 +129,16 @@ class MaskPolicy(Policy):
     noise: ClassVar[str] = "mask"
     confidence: str
 
-    threshold_value: float = math.inf
-    factor_value: float = 0.0
-    edit_threshold_value: float = math.inf  # overwrite committed tokens with p(x0) >= this; inf: never
-    post_steps: int = 0  # editing-only steps a block may take once it has no mask
+    def row_params(self) -> dict[str, float | int]:
+        """Commit positions with confidence >= `threshold` (inf: none) and Fast-dLLM's `factor` prefix
+        (0: none), by the confidence `measure`; overwrite committed tokens with p(x0) >=
+        `edit_threshold` (inf: never), for up to `max_post_steps` editing-only steps once the block has
+        no mask. This base is the rule that commits only the scheduled count, and never edits."""
+        return {"threshold": math.inf, "factor": 0.0, "measure": MEASURE_CODES[self.confidence],
+                "edit_threshold": math.inf, "max_post_steps": 0}
 
-    @property
-    def edits(self) -> bool:
-        return self.edit_threshold_value < math.inf
+    def step_flags(self) -> dict[str, Any]:
+        return {"confidence": self.confidence, "editing": False}
 
     @abstractmethod
     def block_steps(self, settings: GenerationSettings) -> int:
@@ -185,9 +201,8 @@ class Threshold(_AtLeastOnePerStep):
     name: ClassVar[str] = "threshold"
     row_fields: ClassVar[tuple[str, ...]] = ("threshold",)
 
-    @property
-    def threshold_value(self) -> float:  # type: ignore[override]
-        return self.threshold
+    def row_params(self) -> dict[str, float | int]:
+        return {**super().row_params(), "threshold": self.threshold}
 
     def validate(self, settings: GenerationSettings) -> None:
         _check_threshold(self.threshold)
@@ -204,9 +219,8 @@ class Factor(_AtLeastOnePerStep):
     name: ClassVar[str] = "factor"
     row_fields: ClassVar[tuple[str, ...]] = ("factor",)
 
-    @property
-    def factor_value(self) -> float:  # type: ignore[override]
-        return self.factor
+    def row_params(self) -> dict[str, float | int]:
+        return {**super().row_params(), "factor": self.factor}
 
     def validate(self, settings: GenerationSettings) -> None:
         problem = limits.float32_problem(self.factor) if isinstance(self.factor, (int, float)) else "must be a number"
@@ -228,9 +242,8 @@ class LLaDA2(MaskPolicy):
     name: ClassVar[str] = "llada2"
     row_fields: ClassVar[tuple[str, ...]] = ("threshold",)
 
-    @property
-    def threshold_value(self) -> float:  # type: ignore[override]
-        return strictly_above(self.threshold)
+    def row_params(self) -> dict[str, float | int]:
+        return {**super().row_params(), "threshold": strictly_above(self.threshold)}
 
     def validate(self, settings: GenerationSettings) -> None:
         _check_threshold(self.threshold)
@@ -270,21 +283,18 @@ class LLaDA21(MaskPolicy):
     confidence: str = "prob"
     name: ClassVar[str] = "llada21"
 
-    @property
-    def edits(self) -> bool:  # type: ignore[override]
-        return self.edit_threshold < 1
+    def row_params(self) -> dict[str, float | int]:
+        params = {**super().row_params(), "threshold": strictly_above(self.threshold)}
+        if self.edits:
+            params.update(edit_threshold=strictly_above(self.edit_threshold), max_post_steps=self.max_post_steps)
+        return params
 
     @property
-    def threshold_value(self) -> float:  # type: ignore[override]
-        return strictly_above(self.threshold)
-
-    @property
-    def edit_threshold_value(self) -> float:  # type: ignore[override]
-        return strictly_above(self.edit_threshold) if self.edits else math.inf
-
-    @property
-    def post_steps(self) -> int:  # type: ignore[override]
+    def _post_steps(self) -> int:
         return self.max_post_steps if self.edits else 0
+
+    def step_flags(self) -> dict[str, Any]:
+        return {**super().step_flags(), "editing": self.edit_threshold < 1}
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any], generation_config: Mapping[str, Any]) -> Policy:
@@ -313,7 +323,7 @@ class LLaDA21(MaskPolicy):
 
     def block_steps(self, settings: GenerationSettings) -> int:
         """Every step commits at least one mask, so the masks take at most a block's length of steps."""
-        return settings.block_length + self.post_steps
+        return settings.block_length + self._post_steps
 
     def schedule(self, masked: Tensor, block_length: int, steps: int) -> Tensor:
         counts = torch.full((masked.shape[0], steps), self.num_to_transfer, dtype=torch.long, device=masked.device)
@@ -388,13 +398,11 @@ class ResidualPolicy(MaskPolicy):
     def confidence(self) -> str:
         return self.rule.confidence
 
-    @property
-    def threshold_value(self) -> float:  # type: ignore[override]
-        return self.rule.threshold_value
+    def row_params(self) -> dict[str, float | int]:
+        return self.rule.row_params()
 
-    @property
-    def factor_value(self) -> float:  # type: ignore[override]
-        return self.rule.factor_value
+    def step_flags(self) -> dict[str, Any]:
+        return self.rule.step_flags()
 
     def shared(self) -> MaskPolicy:
         return ResidualPolicy(self.rule.shared())
@@ -414,67 +422,6 @@ class ResidualPolicy(MaskPolicy):
 
     def schedule(self, masked: Tensor, block_length: int, steps: int) -> Tensor:
         return self.rule.schedule(masked, block_length, steps)
-
-
-@dataclass(frozen=True)
-class EntropyBound(Policy):
-    """DiffusionGemma's decoding (`DiffusionGemmaGenerationMixin.generate`), for uniform-noise models.
-
-    Each block (the model's canvas) starts as uniform random tokens and takes at most `steps` decoder
-    steps. Step s scales the logits by the temperature `t_min + (t_max - t_min) * (steps - s) / steps`,
-    samples every position, keeps the samples of the lowest-entropy positions while the entropies
-    before them sum to at most `entropy_bound`, and refills the rest with random tokens. A row's
-    block ends early once its argmax has not changed for `stability_threshold` steps and its mean
-    entropy is below `confidence_threshold`; its tokens are the last argmax, and everything after the
-    first EOS becomes pad. Defaults are the public generation defaults."""
-
-    steps: int = 48
-    entropy_bound: float = 0.1
-    t_min: float = 0.4
-    t_max: float = 0.8
-    stability_threshold: int = 1
-    confidence_threshold: float = 0.005
-    name: ClassVar[str] = "entropy_bound"
-    noise: ClassVar[str] = "uniform"
-    row_fields: ClassVar[tuple[str, ...]] = ("entropy_bound", "t_min", "t_max", "stability_threshold",
-                                             "confidence_threshold")
-
-    @classmethod
-    def from_options(cls, options: Mapping[str, Any], generation_config: Mapping[str, Any]) -> Policy:
-        """The model's generation_config sets the defaults that the options override."""
-        return cls(**{**entropy_bound_defaults(generation_config), **options})
-
-    def validate(self, settings: GenerationSettings) -> None:
-        steps = self.steps
-        if not isinstance(steps, int) or isinstance(steps, bool) or not 0 < steps <= limits.MAX_POSITIONS:
-            raise ArgumentError(f"steps must be an integer in [1, {limits.MAX_POSITIONS}], got {self.steps!r}")
-        for name in ("entropy_bound", "t_min", "t_max", "confidence_threshold"):
-            value = getattr(self, name)
-            problem = limits.float32_problem(value) if isinstance(value, (int, float)) else "must be a number"
-            if problem:
-                raise ArgumentError(f"{name.replace('_', '-')} {problem}")
-        if not self.entropy_bound > 0:
-            raise ArgumentError(f"entropy-bound must be positive, got {self.entropy_bound}")
-        if not 0 <= self.t_min < self.t_max:
-            raise ArgumentError(f"the temperatures must satisfy 0 <= t-min < t-max, got t-min {self.t_min} and "
-                                f"t-max {self.t_max}")
-        if not self.confidence_threshold > 0:
-            raise ArgumentError(f"confidence-threshold must be positive, got {self.confidence_threshold}")
-        if not isinstance(self.stability_threshold, int) or self.stability_threshold < 0:
-            raise ArgumentError(f"stability-threshold must be a non-negative integer, got {self.stability_threshold!r}")
-
-
-def entropy_bound_defaults(generation_config: Mapping[str, Any]) -> dict[str, Any]:
-    """EntropyBound's fields that a DiffusionGemma generation_config.json sets, under its own names
-    (`max_denoising_steps`, `t_min`, `t_max`, `sampler_config.entropy_bound`, `stability_threshold`,
-    `confidence_threshold`); null or absent entries keep the public defaults."""
-    sampler = generation_config.get("sampler_config")
-    found = {"steps": generation_config.get("max_denoising_steps"), "t_min": generation_config.get("t_min"),
-             "t_max": generation_config.get("t_max"),
-             "entropy_bound": sampler.get("entropy_bound") if isinstance(sampler, Mapping) else None,
-             "stability_threshold": generation_config.get("stability_threshold"),
-             "confidence_threshold": generation_config.get("confidence_threshold")}
-    return {key: value for key, value in found.items() if value is not None}
 
 
 def make_policy(name: str, *, generation_config: Mapping[str, Any] | None = None,

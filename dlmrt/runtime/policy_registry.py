@@ -1,6 +1,6 @@
 """The decoding policies by name: what the command line, the server and eval know of each, importable
-without torch (`dlmrt --help` stays fast). A policy's class, in `dlmrt.runtime.policies`, imports on
-first use."""
+without torch (`dlmrt --help` stays fast). A policy's class, in `dlmrt.runtime.policies` (or
+`dlmrt.runtime.uniform_policy`), imports on first use."""
 
 from __future__ import annotations
 
@@ -15,13 +15,14 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class PolicyEntry:
-    class_name: str  # in dlmrt.runtime.policies
+    class_name: str
     description: str  # one line, for help
     options: Mapping[str, type]  # the make_policy options it takes, with the type of their values
+    module: str = "dlmrt.runtime.policies"  # where the class is
 
     @property
     def policy_class(self) -> type[Policy]:
-        return getattr(importlib.import_module("dlmrt.runtime.policies"), self.class_name)
+        return getattr(importlib.import_module(self.module), self.class_name)
 
     @property
     def noise(self) -> str:
@@ -43,7 +44,7 @@ POLICIES: dict[str, PolicyEntry] = {
     "residual": PolicyEntry("ResidualPolicy", "threshold or factor for ORL models, carrying the residual",
                             {"threshold": float, "factor": float, "confidence": str}),
     "entropy_bound": PolicyEntry("EntropyBound", "DiffusionGemma's, for uniform-noise models",
-                                 {"steps": int, "entropy_bound": float}),
+                                 {"steps": int, "entropy_bound": float}, "dlmrt.runtime.uniform_policy"),
 }
 
 

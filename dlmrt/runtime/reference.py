@@ -18,7 +18,7 @@ from dlmrt.models import Denoiser
 from dlmrt.runtime.metrics import GenerationMetrics
 from dlmrt.runtime.policies import Fixed, num_transfer_tokens
 from dlmrt.runtime.settings import GenerationSettings, check_request
-from dlmrt.runtime.torch_backend import spec_of
+from dlmrt.runtime.model_spec import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ def generate(model: Denoiser, prompts: Sequence[Sequence[int]], settings: Genera
     if not isinstance(policy, Fixed) or settings.cache != "none":
         raise ArgumentError("the reference loop runs the fixed policy without a cache; use "
                             "dlmrt.runtime.Generator for other policies and cache modes")
-    check_request(spec_of(model), prompts, settings)
+    check_request(ModelSpec.of_model(model), prompts, settings)
     steps_per_block = policy.block_steps(settings)
     started = time.perf_counter()
     mask_id = model.tokens.mask_id

@@ -2,7 +2,7 @@
 block boundaries (continuous batching). One loop for every family; the noise kind's batch says where
 rows sit in the bucket and what ends a block.
 
-    batch = open_batch(backend, on_progress=show) # a MaskBatch or a UniformBatch, by the model's noise
+    batch = open_batch(backend, on_progress=show) # dlmrt.runtime.batches: a MaskBatch or a UniformBatch
     batch.add(tag, prompt, settings, seed=0)      # joins at the next block boundary
     batch.add(tag, prompt, settings, seed=0, provisional=True)  # show(progress) at every K-step boundary
     while batch.active:
@@ -77,22 +77,6 @@ def batch_key(settings: GenerationSettings) -> GenerationSettings:
     logprobs: a block's steps record them while some row asks."""
     return replace(settings, gen_length=settings.block_length, seed=0, ignore_eos=False, temperature=0.0,
                    policy=settings.policy.shared(), logprobs=None)
-
-
-def open_batch(backend: Backend, on_step: Callable[[], None] | None = None,
-               on_progress: Callable[[list[BlockProgress]], None] | None = None,
-               agree: Callable[[list[bool]], list[bool]] | None = None) -> RunningBatch:
-    """An empty running batch of the backend's model: a MaskBatch, or a UniformBatch for a
-    uniform-noise model. `on_progress` is told the progress of the rows added with `provisional`;
-    `agree` (tensor parallelism: dlmrt.parallel.lockstep) turns the cancel flags read here into the
-    ones every rank acts on."""
-    if backend.spec.noise == "uniform":
-        from dlmrt.runtime.uniform_noise import UniformBatch
-
-        return UniformBatch(backend, on_step, on_progress, agree=agree)
-    from dlmrt.runtime.mask_batch import MaskBatch
-
-    return MaskBatch(backend, on_step, on_progress, agree=agree)
 
 
 @dataclass(kw_only=True)

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 
 from dlmrt.core.errors import DlmrtError
 from dlmrt.runtime.backend import Backend
-from dlmrt.runtime.running_batch import BlockProgress, BlockUpdate, FinishedRow, RunningBatch, open_batch
+from dlmrt.runtime.batches import open_batch
+from dlmrt.runtime.running_batch import BlockProgress, BlockUpdate, FinishedRow, RunningBatch
 from dlmrt.runtime.settings import GenerationSettings
 
 TOKENS_PER_SECOND_WINDOW_S = 10.0

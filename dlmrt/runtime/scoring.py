@@ -24,10 +24,11 @@ from collections.abc import Callable
 import torch
 
 from dlmrt.core.errors import ArgumentError
-from dlmrt.runtime.backend import Backend, ModelSpec
+from dlmrt.runtime.backend import Backend
 from dlmrt.runtime.buckets import Bucket
 from dlmrt.runtime.device_state import DeviceState
 from dlmrt.runtime.device_step import StepKind, gather
+from dlmrt.runtime.model_spec import ModelSpec
 from dlmrt.runtime.running_batch import TokenLogprob
 
 

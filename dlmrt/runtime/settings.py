@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from dlmrt.core import limits
 from dlmrt.core.errors import ArgumentError
-from dlmrt.runtime.backend import ModelSpec
+from dlmrt.runtime.model_spec import ModelSpec
 from dlmrt.runtime.policies import Fixed, Policy, ResidualPolicy, make_policy
 
 CACHE_MODES = ("none", "prefix", "dual")
@@ -46,7 +46,9 @@ class GenerationSettings:
         its editing-only steps after them."""
         steps = self.policy.block_steps(self)
         steps = steps if self.max_block_steps is None else min(steps, self.max_block_steps)
-        return min(steps, self.block_length + self.policy.post_steps)
+        # an editing policy's block_steps counts its editing-only steps itself (row_params is not read
+        # here: it may read the device, and this runs every block)
+        return steps if self.policy.edits else min(steps, self.block_length)
 
     def validate(self, block_causal: bool = False) -> None:
         """Raise ArgumentError for settings that cannot work. Block-causal models place blocks on

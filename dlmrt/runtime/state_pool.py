@@ -18,7 +18,7 @@ from dlmrt.runtime.device_state import DeviceState
 from dlmrt.runtime.uniform_state import CacheGroup, UniformState
 
 if TYPE_CHECKING:
-    from dlmrt.runtime.backend import ModelSpec
+    from dlmrt.runtime.model_spec import ModelSpec
     from dlmrt.runtime.buckets import Bucket
 
 

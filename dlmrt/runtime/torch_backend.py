@@ -20,27 +20,14 @@ from dlmrt.models.step_graph import GRAPHS, GUIDED_GRAPHS, LOGITS_OUTPUT, StepGr
 from dlmrt.ops.entropy_bound import RenoiseParams, RenoiseResult, entropy_bound_step
 from dlmrt.ops.parallel_unmask import choice
 from dlmrt.runtime import onednn
-from dlmrt.runtime.backend import Backend, GraphOptions, ModelSpec
+from dlmrt.runtime.backend import Backend, GraphOptions
 from dlmrt.runtime.uniform_state import CacheGroup, UniformState
 from dlmrt.runtime.buckets import BucketLadder
 from dlmrt.runtime.device_step import TokenLogprobs
 from dlmrt.runtime.executor import MODES
+from dlmrt.runtime.model_spec import ModelSpec
 
 DEFAULT_MAX_BATCH = 64
-
-
-def spec_of(model: Denoiser) -> ModelSpec:
-    if model.tokens is None:
-        raise ValueError(f"{model.name} has no special token ids (mask/eos/pad): load it with "
-                         f"dlmrt.load or give them to the model")
-    return ModelSpec(
-        name=model.name, vocab_size=model.vocab_size, hidden_size=model.hidden_size,
-        num_layers=model.num_layers, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
-        max_positions=model.max_positions, mask_id=model.tokens.mask_id,
-        eos_ids=tuple(model.tokens.eos_ids), pad_id=model.tokens.pad_id,
-        block_causal=model.block_causal, has_residual=model.residual_config is not None,
-        dtype=model.dtype, device=model.device, logits_shift=model.logits_shift, noise=model.noise,
-        vocab_ranks=1 if model.vocab_shard is None else model.vocab_shard.ranks.world)
 
 
 def modes_for(device: torch.device) -> tuple[str, ...]:
@@ -94,7 +81,7 @@ class TorchBackend(Backend):
         step's kernels, "auto" (`choice.resolve`: the torch reference except where a GPU run measured
         Triton faster), "torch" or "triton"."""
         model.eval()
-        spec = spec_of(model)
+        spec = ModelSpec.of_model(model)
         resolved = resolve_mode(mode, spec.device)
         if observe is not None and resolved != "eager":
             raise ArgumentError(f"observing the step's inputs needs mode 'eager', not {resolved!r}: a compiled "

@@ -21,7 +21,8 @@ from dlmrt.core.errors import ArgumentError, DlmrtError, MissingExtraError
 from dlmrt.export.export_manifest import CANVAS_GRAPHS, ExportManifest
 from dlmrt.ops import register_tensorrt_plugins
 from dlmrt.models.denoiser import LayerGroupKV
-from dlmrt.runtime.backend import Backend, GraphOptions, ModelSpec
+from dlmrt.runtime.backend import Backend, GraphOptions
+from dlmrt.runtime.model_spec import ModelSpec
 from dlmrt.runtime.uniform_state import CacheGroup, encoder_inputs, zero_cache
 from dlmrt.runtime.buckets import BucketLadder
 

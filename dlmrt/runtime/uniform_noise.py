@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from dlmrt.models.denoiser import LayerGroupKV
-from dlmrt.ops.entropy_bound import pad_after_eos, temperature_schedule
+from dlmrt.ops.entropy_bound import pad_after_eos
 from dlmrt.runtime.buckets import Bucket
 from dlmrt.runtime.uniform_state import UniformState
 from dlmrt.runtime.uniform_step import UNIFORM_STEP
@@ -54,12 +54,7 @@ class UniformBatch(RunningBatch):
     # -- rows in ------------------------------------------------------------------------------------
     def _new_row(self, prompt: Sequence[int], settings: GenerationSettings, seed: int, **common) -> UniformRow:
         self.backend.ladder.canvas_for(len(prompt) + settings.gen_length, settings.block_length)
-        policy = settings.policy
-        schedule = torch.ones(Bucket.schedule_room(policy.steps))
-        schedule[:policy.steps] = temperature_schedule(policy.t_min, policy.t_max, policy.steps)
-        params = {"temperatures": schedule, "last_step": policy.steps - 1, "entropy_bound": policy.entropy_bound,
-                  "seed": seed, "stability_threshold": policy.stability_threshold,
-                  "confidence_threshold": policy.confidence_threshold}
+        params = {**settings.policy.row_params(), "seed": seed}
         return UniformRow(settings=settings, params=params, prompt=list(prompt), prompt_length=len(prompt),
                           blocks=settings.gen_length // settings.block_length, settled=[], **common)
 

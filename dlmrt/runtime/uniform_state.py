@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -15,10 +14,8 @@ from torch import Tensor
 from dlmrt.core import limits
 from dlmrt.models.denoiser import LayerGroupKV
 from dlmrt.runtime.buckets import Bucket
+from dlmrt.runtime.model_spec import ModelSpec
 from dlmrt.runtime.static_buffers import StaticBuffers, shifted_copy
-
-if TYPE_CHECKING:
-    from dlmrt.runtime.backend import ModelSpec
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from dlmrt.bench import paired
-from dlmrt.bench.benchmark import Case
+from dlmrt.bench.case import Case
 from dlmrt.bench.paired import Estimate, median_with_ci, paired_ratios, slower
 
 

@@ -4,8 +4,9 @@
 - the model families (dlmrt.models) import nothing of the runtime;
 - the runtime imports nothing of the commands on top of it (cli, serve, bench, eval, orl), and no particular
   family's module: it reaches a family through the Denoiser interface and the FAMILIES registry;
-- no two layers import each other, directly or through others. The layers are dlmrt's subpackages, with
-  one split: the engine build pipeline (`dlmrt.engines.build` and `dlmrt.quant`, which calibrates by
+- no two modules import each other, directly or through others, and no two layers do;
+- no source file is over 500 lines, and every folder of code is under dlmrt/ (beside the tests and scripts).
+The layers are dlmrt's subpackages, with one split: the engine build pipeline (`dlmrt.engines.build` and `dlmrt.quant`, which calibrates by
   running the model through the runtime) sits above the runtime, and the engine store it writes
   (`dlmrt.engines`: targets, plans, manifests, selection) below it, where the TensorRT backend reads it.
 
@@ -136,3 +137,59 @@ def test_no_two_packages_import_each_other():
 def test_the_rules_see_the_modules_they_hold(rule):
     """A rule over no module would pass whatever the code did."""
     assert any(_within(name, rule) for name in MODULES)
+
+
+def _import_cycles() -> list[list[str]]:
+    """The module cycles of GRAPH: its strongly connected components of more than one module (Tarjan)."""
+    order: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(module: str) -> None:
+        order[module] = low[module] = len(order)
+        stack.append(module)
+        for target in GRAPH[module]:
+            if target not in order:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in stack:
+                low[module] = min(low[module], order[target])
+        if low[module] == order[module]:
+            component = []
+            while (member := stack.pop()) != module:
+                component.append(member)
+            if component:
+                cycles.append(sorted([module, *component]))
+
+    for module in GRAPH:
+        if module not in order:
+            visit(module)
+    return cycles
+
+
+def test_no_two_modules_import_each_other():
+    assert _import_cycles() == []
+
+
+def test_the_cycle_finder_sees_a_cycle(monkeypatch):
+    """A finder that never found a cycle would pass any tree."""
+    monkeypatch.setitem(GRAPH, "dlmrt.core.errors", GRAPH["dlmrt.core.errors"] | {"dlmrt.core.atomic"})
+    monkeypatch.setitem(GRAPH, "dlmrt.core.atomic", GRAPH["dlmrt.core.atomic"] | {"dlmrt.core.errors"})
+    assert ["dlmrt.core.atomic", "dlmrt.core.errors"] in _import_cycles()
+
+
+MAX_LINES = 500
+
+
+def test_no_source_file_is_over_500_lines():
+    long = {str(path.relative_to(ROOT)): lines for path in MODULES.values()
+            if (lines := len(path.read_text().splitlines())) > MAX_LINES}
+    assert long == {}
+
+
+def test_every_folder_of_code_is_under_dlmrt():
+    """Outside the package only the tests and the scripts hold Python."""
+    holding = {folder.name for folder in ROOT.iterdir()
+               if folder.is_dir() and not folder.name.startswith(".") and any(folder.rglob("*.py"))}
+    assert holding <= {"dlmrt", "tests", "scripts"}

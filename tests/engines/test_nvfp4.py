@@ -19,7 +19,7 @@ from dlmrt.core import tasks  # noqa: E402
 from dlmrt.quant import nvfp4, nvfp4_onnx  # noqa: E402
 from dlmrt.quant.nvfp4 import NVFP4Linear, QuantizationError  # noqa: E402
 from dlmrt.core.errors import DlmrtError  # noqa: E402
-from dlmrt.export import onnx_export  # noqa: E402
+from dlmrt.export import export_writer, onnx_export  # noqa: E402
 from dlmrt.ops.parallel_unmask import MEASURE_CODES, onnx_function  # noqa: E402
 from dlmrt.runtime import text  # noqa: E402
 from helpers import LLADA, LLADA2, random_model  # noqa: E402
@@ -381,7 +381,7 @@ def test_bad_calibration_feeds_are_refused(quantized, tmp_path):
 
 
 def test_big_models_keep_external_data(quantized, tmp_path, monkeypatch):
-    monkeypatch.setattr(onnx_export, "EXTERNAL_DATA_BYTES", 0)
+    monkeypatch.setattr(export_writer, "EXTERNAL_DATA_BYTES", 0)
     original = tmp_path / "in.onnx"
     onnx.save(quantized[0], original)
     nvfp4_onnx.quantize_onnx(original, tmp_path / "out.onnx", [step_feed(quantized[3][:2], 2)])

@@ -50,6 +50,14 @@ def test_reads_the_fields_typed_and_round_trips(tmp_path):
     assert json.loads((tmp_path / "again" / MANIFEST_FILE).read_text()) == data
 
 
+@pytest.mark.parametrize("model_type, shift", [("llada", 0), ("Dream", 1)])
+def test_logits_shift_is_the_familys_and_never_written(tmp_path, model_type, shift):
+    data = manifest_dict()
+    data["model"]["model_type"] = model_type
+    manifest = ExportManifest.read(write(tmp_path, data))
+    assert manifest.model.logits_shift == shift and manifest.to_dict() == data
+
+
 def test_keeps_a_quantization_record(tmp_path):
     data = manifest_dict() | {"quantization": {"mode": "fp8", "graphs": {"full": {"nodes": 3}}}}
     assert ExportManifest.read(write(tmp_path, data)).to_dict() == data
@@ -79,6 +87,10 @@ def corrupt(path: str, value):
     ("model.name", "", "model.name must be a non-empty string"),
     ("model.block_causal", 1, "model.block_causal must be true or false"),
     ("model.block_grid", -4, "model.block_grid must be positive"),
+    ("model.model_type", "gpt2", "model.model_type must be a family dlmrt knows (llada, llada2_moe"),
+    ("model.dtype", "int64", "model.dtype must be the name of a torch floating-point dtype"),
+    ("model.dtype", "float", "model.dtype must be the name of a torch floating-point dtype"),
+    ("model.dtype", "Tensor", "model.dtype must be the name of a torch floating-point dtype"),
     ("model.extra", 1, "model.extra is not a field"),
     ("tokens.mask_id", 100, "tokens.mask_id must be a token id below model.vocab_size"),
     ("tokens.eos_ids", [], "tokens.eos_ids must be a non-empty list"),

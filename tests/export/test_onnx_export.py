@@ -13,7 +13,7 @@ pytest.importorskip("onnxruntime", reason="the ONNX path needs the 'onnx' extra"
 import dlmrt  # noqa: E402
 from dlmrt.core import tasks  # noqa: E402
 from dlmrt.core.errors import ArgumentError, CheckpointError, UnsupportedFeatureError  # noqa: E402
-from dlmrt.export import onnx_export  # noqa: E402
+from dlmrt.export import export_writer, onnx_export  # noqa: E402
 from dlmrt.models import checkpoint
 from dlmrt.export.export_manifest import MANIFEST_FILE, ExportLimits, ExportManifest  # noqa: E402
 from dlmrt.runtime import (  # noqa: E402
@@ -262,7 +262,7 @@ def test_an_export_killed_midway_leaves_nothing_that_loads(tmp_path):
 
 
 def test_large_weights_go_to_external_data(monkeypatch, tmp_path):
-    monkeypatch.setattr(onnx_export, "EXTERNAL_DATA_BYTES", 0)
+    monkeypatch.setattr(export_writer, "EXTERNAL_DATA_BYTES", 0)
     model = random_model(LLADA)
     directory = onnx_export.export(model, tmp_path / "out", max_batch=4, max_length=32)
     assert {"step_full.onnx.data", "step_cached.onnx.data"} <= set(ExportManifest.read(directory).files)

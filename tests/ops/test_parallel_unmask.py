@@ -225,7 +225,7 @@ FIXED_CONFS = [0.5, 0.9, 0.3, 0.7, 0.95, 0.6]  # ranked: 4, 1, 3, 5, 0, 2
 ])
 def test_fixed_commits_the_count_most_confident(count, expected):
     policy = Fixed()
-    assert (policy.threshold_value, policy.factor_value) == (INF, 0.0)
+    assert (policy.row_params()["threshold"], policy.row_params()["factor"]) == (INF, 0.0)
     params = policy_params(policy, [count])
     result = unmask(logits_of([FIXED_CONFS]), params)
     assert commits(result) == [expected] == [ref_fixed(confidences(result)[0], [True] * 6, count)]
@@ -293,7 +293,7 @@ def test_last_scheduled_step_commits_the_rest(policy):
 
 def llada2_params(tau: float, n_k: int) -> UnmaskParams:
     policy = LLaDA2(threshold=tau)
-    assert policy.threshold_value == strictly_above(tau) and policy.factor_value == 0.0
+    assert policy.row_params()["threshold"] == strictly_above(tau) and policy.row_params()["factor"] == 0.0
     return policy_params(policy, [n_k])
 
 

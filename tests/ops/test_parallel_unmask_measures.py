@@ -50,7 +50,7 @@ def test_every_rule_on_random_inputs(seed, measure):
 
     for n_k in (0, 1, 2, 4):
         expected = [ref_llada2(conf[b], masked[b], n_k, taus[b]) for b in range(batch)]
-        params = make_params(batch, count=n_k, threshold=[LLaDA2(threshold=t).threshold_value for t in taus])
+        params = make_params(batch, count=n_k, threshold=[LLaDA2(threshold=t).row_params()["threshold"] for t in taus])
         result = unmask(logits, params, masked, confidence=measure)
         assert commits(result) == expected, n_k
 

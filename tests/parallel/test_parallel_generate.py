@@ -15,7 +15,7 @@ from dlmrt.parallel.launch import RankFailure, run_ranks
 from dlmrt.parallel.plan import ParallelPlan
 from dlmrt.parallel.vocab import step_exchange_bytes
 from dlmrt.runtime import Fixed, GenerationSettings, Threshold
-from dlmrt.runtime.policies import EntropyBound
+from dlmrt.runtime.uniform_policy import EntropyBound
 
 TP, EP, BOTH = ParallelPlan(tp=2), ParallelPlan(ep=2), ParallelPlan(tp=2, ep=2)
 MASKED = [GenerationSettings(16, 8, Threshold(0.9), cache="none"),

@@ -204,7 +204,7 @@ def test_presets_and_their_overrides():
     assert make_policy("llada21") == LLaDA21(0.95, 0.9, 16)
     assert make_policy("llada21", preset="quality") == LLaDA21(0.7, 0.5, 16)
     speed = make_policy("llada21", preset="speed", max_post_steps=4)
-    assert speed == LLaDA21(0.5, 1.0, 4) and not speed.edits and speed.post_steps == 0
+    assert speed == LLaDA21(0.5, 1.0, 4) and not speed.edits and speed.row_params()["max_post_steps"] == 0
     with pytest.raises(ArgumentError, match="unknown llada21 preset 'fast'"):
         make_policy("llada21", preset="fast")
     with pytest.raises(ArgumentError, match="belong to policy llada21, not 'threshold'"):

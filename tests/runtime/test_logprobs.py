@@ -18,10 +18,11 @@ import dlmrt
 from dlmrt.bench.counted import count_work
 from dlmrt.runtime import GenerationSettings, Generator, LLaDA21, Threshold, text
 from dlmrt.runtime import device_step
+from dlmrt.runtime.batches import open_batch
 from dlmrt.runtime.buckets import Bucket
 from dlmrt.runtime.device_state import DeviceState
-from dlmrt.runtime.running_batch import open_batch
-from dlmrt.runtime.torch_backend import TorchBackend, spec_of
+from dlmrt.runtime.model_spec import ModelSpec
+from dlmrt.runtime.torch_backend import TorchBackend
 
 SETTINGS = GenerationSettings(16, 8, Threshold(0.9), logprobs=5)  # temperature 0, cache none: whole-canvas steps
 
@@ -146,7 +147,7 @@ def test_a_step_that_no_row_asks_for_does_no_logprob_work(model, prompts):
     settings = GenerationSettings(16, 8, Threshold(0.9), cache="dual")
     plain = count_work("torch:eager", model, prompts, settings)
     asked = count_work("torch:eager", model, prompts, dataclasses.replace(settings, logprobs=3))
-    state = DeviceState.allocate(spec_of(model), Bucket(batch=2, canvas=32, block=8))
+    state = DeviceState.allocate(ModelSpec.of_model(model), Bucket(batch=2, canvas=32, block=8))
     state.allocate_logprobs(3)
     recording = RecordedOps()
     with recording:

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from dlmrt.runtime import GenerationSettings, Generator, Threshold
-from dlmrt.runtime.running_batch import BlockProgress, RunningBatch, open_batch
+from dlmrt.runtime.batches import open_batch
+from dlmrt.runtime.running_batch import BlockProgress, RunningBatch
 from dlmrt.runtime.torch_backend import TorchBackend
 
 SETTINGS = GenerationSettings(16, 4, Threshold(0.3))

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from dlmrt.runtime import Factor, Fixed, GenerationSettings, Generator, LLaDA2, ResidualPolicy, Threshold
-from dlmrt.runtime.running_batch import open_batch
+from dlmrt.runtime.batches import open_batch
 from dlmrt.runtime.torch_backend import TorchBackend
 
 # (tag, prompt, gen_length, seed, the block boundary it joins at, the boundary it is cancelled at)

@@ -23,7 +23,7 @@ from dlmrt.core.errors import ArgumentError
 from dlmrt.models import checkpoint
 from dlmrt.ops.entropy_bound import RenoiseParams, entropy_bound_step, initial_canvas, temperature_schedule
 from dlmrt.runtime import EntropyBound, GenerationSettings, Generator, Threshold, make_policy
-from dlmrt.runtime.policies import entropy_bound_defaults
+from dlmrt.runtime.uniform_policy import entropy_bound_defaults
 
 DATA = Path(__file__).parents[1] / "data" / "diffusion_gemma"
 PROMPTS = [[2, 17, 42, 5], [2, 9, 22, 31, 8, 77], [2, 40]]
@@ -113,7 +113,7 @@ def test_the_loop_matches_a_plain_loop_row_by_row(trained, policy):
 def test_the_decoder_over_the_storage_is_the_plain_decoder(model):
     """The step's decoder reads the bucket's cache storage (prompt left-padded to whole blocks, unwritten
     slots masked): the same logits as the plain decoder over the prompt's own cache, to float rounding."""
-    from dlmrt.runtime.running_batch import open_batch
+    from dlmrt.runtime.batches import open_batch
     from dlmrt.runtime.torch_backend import TorchBackend, _TorchUniformGraphs
 
     prompt = PROMPTS[0]

@@ -104,7 +104,7 @@ def test_the_plan_divides_the_cpus_among_the_replicas(monkeypatch, args, threads
 def test_a_replica_of_a_split_model_spans_its_ranks(monkeypatch):
     """--replicas with --tp: each replica leads its own ranks (build_split_app), a GPU for each rank, or the
     replica's threads shared among them."""
-    from dlmrt.cli.serve_ranks import build_split_app
+    from dlmrt.parallel.serving import build_split_app
 
     monkeypatch.setattr("dlmrt.cli.serve.require_ray_extra", lambda: None)
     started = []
