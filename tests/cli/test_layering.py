@@ -5,10 +5,11 @@
 - the runtime imports nothing of the commands on top of it (cli, serve, bench, eval, orl), and no particular
   family's module: it reaches a family through the Denoiser interface and the FAMILIES registry;
 - no two modules import each other, directly or through others, and no two layers do;
-- no source file is over 500 lines, and every folder of code is under dlmrt/ (beside the tests and scripts).
-The layers are dlmrt's subpackages, with one split: the engine build pipeline (`dlmrt.engines.build` and `dlmrt.quant`, which calibrates by
-  running the model through the runtime) sits above the runtime, and the engine store it writes
-  (`dlmrt.engines`: targets, plans, manifests, selection) below it, where the TensorRT backend reads it.
+- no source file is over 500 lines, and every folder of code is under dlmrt/ (beside the tests and scripts);
+- the layers are dlmrt's subpackages, with one split: the engine build pipeline (`dlmrt.engines.build` and
+  `dlmrt.quant`, which calibrates by running the model through the runtime) sits above the runtime, and
+  the engine store it writes (`dlmrt.engines`: targets, plans, manifests, selection) below it, where the
+  TensorRT backend reads it.
 
 Imports made only for type checking (`if TYPE_CHECKING:`) are left out: they never run.
 """
