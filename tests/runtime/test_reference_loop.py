@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from dlmrt.models import DenoiserOutput, Residual
+from dlmrt.models.description import ModelDescription
 from dlmrt.runtime import reference
 from dlmrt.runtime import Fixed, GenerationSettings
 from dlmrt.runtime.policies import num_transfer_tokens
@@ -24,6 +25,8 @@ class CraftedDenoiser:
     name, block_causal, residual_config, logits_shift, noise = "crafted", False, None, 0, "mask"
     vocab_shard = None  # whole: not a tensor-parallel rank
     hidden_size = num_layers = num_kv_heads = head_dim = 1
+    description = ModelDescription(name, "llada", "float32", vocab_size, hidden_size, num_layers, num_kv_heads,
+                                   head_dim, max_positions, block_causal, block_grid=None, residual=False)
 
     def __init__(self, confidence=None):
         self.canvases = []
