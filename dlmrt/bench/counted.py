@@ -36,6 +36,7 @@ from dlmrt.core.errors import ArgumentError
 from dlmrt.models import Denoiser
 from dlmrt.runtime import Fixed, GenerationResult, GenerationSettings, Generator, reference
 from dlmrt.runtime.backend import Backend
+from dlmrt.runtime.batch_resources import resources
 from dlmrt.runtime.torch_backend import TorchBackend, resolve_mode
 
 # Tensor methods that hand a tensor's values to the host: Python values, a NumPy array, a host copy.
@@ -201,7 +202,8 @@ def _count_reference(model: Denoiser, prompts: Sequence[Sequence[int]], plain: G
 def _count_eager(backend: TorchBackend, prompts, settings: GenerationSettings) -> WorkCounts:
     device = backend.spec.device
     dispatched = _Dispatched(device)
-    run = backend.run
+    executor = resources(backend).executor
+    run = executor.run
 
     def first_step_counted(state, program, steps: int) -> None:
         first = not dispatched.marks  # the run's first call runs one step: the first block's first
@@ -211,7 +213,7 @@ def _count_eager(backend: TorchBackend, prompts, settings: GenerationSettings) -
         if first:
             dispatched.mark()
 
-    backend.run = first_step_counted
+    executor.run = first_step_counted
     with deterministic_frees(), dispatched, flop_counter() as flops, HostReads(device) as reads:
         result, blocks = _generate(backend, prompts, settings)
     before, after = dispatched.marks
@@ -224,13 +226,14 @@ def _count_ort(backend, prompts, settings: GenerationSettings) -> WorkCounts:
         raise ArgumentError(f"the ort case of {backend.spec.name} cannot be counted: its FLOPs are counted "
                             f"over the step graphs of mask models")
     flops = OnnxFlops(backend)
-    run = backend.run
+    executor = resources(backend).executor
+    run = executor.run
 
     def flops_counted(state, program, steps: int) -> None:
         flops.add(state, program, steps)
         run(state, program, steps)
 
-    backend.run = flops_counted
+    executor.run = flops_counted
     device = backend.spec.device
     with deterministic_frees(), _Dispatched(device) as dispatched, HostReads(device) as reads:
         result, blocks = _generate(backend, prompts, settings)
@@ -245,7 +248,8 @@ def _count_compiled(backend: TorchBackend, prompts, settings: GenerationSettings
     from torch.profiler import ProfilerActivity, profile
 
     Generator(backend).generate(prompts, settings)
-    run = backend.run
+    executor = resources(backend).executor
+    run = executor.run
 
     def outside_the_mode(state, program, steps: int) -> None:
         # dynamo guards on the torch function modes: under HostReads the steps would compile again.
@@ -253,7 +257,7 @@ def _count_compiled(backend: TorchBackend, prompts, settings: GenerationSettings
         with torch.overrides._pop_mode_temporarily():
             run(state, program, steps)
 
-    backend.run = outside_the_mode
+    executor.run = outside_the_mode
     compiled_before = counters["stats"]["unique_graphs"]
     with profile(activities=[ProfilerActivity.CPU]) as profiler, HostReads(backend.spec.device) as reads:
         result, blocks = _generate(backend, prompts, settings)

@@ -15,11 +15,12 @@ import torch
 from torch import Tensor
 
 from dlmrt.core import limits
-from dlmrt.models.step_graph import POLICY_INPUTS, graph_name
+from dlmrt.models.step_graph import LOGITS_OUTPUT, POLICY_INPUTS, graph_name
+from dlmrt.runtime.backend import GraphOptions
 from dlmrt.runtime.device_state import DeviceState
 
 if TYPE_CHECKING:
-    from dlmrt.runtime.backend import Backend, BindingBackend
+    from dlmrt.runtime.backend import Backend
     from dlmrt.runtime.model_spec import ModelSpec
 
 
@@ -47,15 +48,20 @@ class StepKind:
         `confidence` or `editing`, which only the gather or the graph's inputs see)."""
         return self.window, self.start, self.cached, self.writes, self.logprobs
 
+    @property
+    def options(self) -> GraphOptions:
+        """What a backend that builds its step graph may specialize it on."""
+        return GraphOptions(self.sampling, self.confidence, self.editing)
+
     def whole_canvas(self, canvas: int) -> bool:
         return self.start == 0 and self.window == canvas
 
     # -- the step program (dlmrt.runtime.executor.StepProgram) --------------------------------------------
-    def bind(self, backend: Backend, state: DeviceState) -> Callable[[Mapping[str, Tensor]], GraphOutputs]:
+    def bind(self, backend: Backend, state: DeviceState) -> BoundStepGraph:
         allocate(state, self, backend.spec)
-        return backend.step_graph(state, self)
+        return BoundStepGraph(backend, state, self)
 
-    def step(self, state: DeviceState, graph: Callable[[Mapping[str, Tensor]], GraphOutputs]) -> None:
+    def step(self, state: DeviceState, graph: Callable[[], GraphOutputs]) -> None:
         step(state, self, graph)
 
     def describe(self, state: DeviceState) -> str:
@@ -115,53 +121,69 @@ def allocate(state: DeviceState, kind: StepKind, spec: ModelSpec) -> None:
         state.allocate_logprobs(limits.recorded_alternatives(spec.vocab_size))
 
 
-def output_buffers(spec: ModelSpec, state: DeviceState, kind: StepKind, *,
-                   every_output: bool = False) -> dict[str, Tensor]:
-    """Static buffers for the exported step graph's outputs, by name, for a backend that binds them
-    (ONNX Runtime, TensorRT). The whole-canvas refresh writes its K/V straight into the cache
-    storage. A step that writes no cache gets no K/V buffer, and one that asks for no logprobs no
-    logits buffer, unless `every_output` (TensorRT needs an address for every output): then a scratch
-    one."""
+def output_buffers(spec: ModelSpec, state: DeviceState, kind: StepKind, *, every_output: bool = False,
+                   allocate: bool = True) -> dict[str, Tensor | None]:
+    """Static buffers for the step graph's outputs that a step reads, by name, for a backend whose graphs
+    write them in place (ONNX Runtime, TensorRT); with `allocate` False the same names, each None. The
+    whole-canvas refresh writes its K/V straight into the cache storage. A step that writes no cache
+    gets no K/V buffer, and one that asks for no logprobs no logits buffer, unless `every_output`
+    (TensorRT needs an address for every output): then a scratch one. A model whose ranks each hold a
+    vocabulary slice returns the logprobs themselves (TokenLogprobs' fields) in place of the logits."""
     bucket = state.bucket
-    rows, model_rows, block, device = bucket.batch, bucket.model_rows, bucket.block, state.canvas.device
-    outputs = {"new_ids": torch.empty(rows, block, dtype=torch.long, device=device),
-               "confidence": torch.empty(rows, block, dtype=torch.float32, device=device),
-               "commit": torch.empty(rows, block, dtype=torch.bool, device=device),
-               "committed": torch.empty(rows, dtype=torch.long, device=device)}
+    rows, model_rows, block = bucket.batch, bucket.model_rows, bucket.block
+    shapes: dict[str, tuple | Tensor] = {"new_ids": ((rows, block), torch.long),
+                                         "confidence": ((rows, block), torch.float32),
+                                         "commit": ((rows, block), torch.bool), "committed": ((rows,), torch.long)}
     if kind.writes and kind.writes == bucket.canvas:
-        outputs["kv"] = state.kv
+        shapes["kv"] = state.kv
     elif kind.writes or every_output:
-        outputs["kv"] = torch.empty(spec.num_layers, 2, model_rows, spec.num_kv_heads, kind.window, spec.head_dim,
-                                    dtype=spec.dtype, device=device)
+        shapes["kv"] = ((spec.num_layers, 2, model_rows, spec.num_kv_heads, kind.window, spec.head_dim), spec.dtype)
     if spec.supports_logprobs and (kind.logprobs or every_output):
-        outputs["logits"] = torch.empty(rows, block, spec.vocab_size, dtype=torch.float32, device=device)
+        if spec.vocab_ranks > 1:
+            alternatives = limits.recorded_alternatives(spec.vocab_size)
+            shapes.update(chosen=((rows, block), torch.float32),
+                          top_logprob=((rows, block, alternatives), torch.float32),
+                          top_token=((rows, block, alternatives), torch.long))
+        else:
+            shapes[LOGITS_OUTPUT] = ((rows, block, spec.vocab_size), torch.float32)
     if spec.has_residual:
-        outputs["next_z"] = torch.empty(model_rows, kind.window, spec.hidden_size, dtype=spec.dtype, device=device)
-        outputs["next_certainty"] = torch.empty(model_rows, kind.window, dtype=spec.dtype, device=device)
-    return outputs
+        shapes["next_z"] = ((model_rows, kind.window, spec.hidden_size), spec.dtype)
+        shapes["next_certainty"] = ((model_rows, kind.window), spec.dtype)
+    if not allocate:
+        return dict.fromkeys(shapes)
+    device = state.canvas.device
+    return {name: shape if isinstance(shape, Tensor) else torch.empty(shape[0], dtype=shape[1], device=device)
+            for name, shape in shapes.items()}
 
 
 def graph_outputs(outputs: Mapping[str, Tensor], kind: StepKind) -> GraphOutputs:
-    """What `apply` reads of the bound output buffers."""
+    """What `apply` reads of a step graph's outputs by name."""
+    logits = logprobs = None
+    if kind.logprobs and "top_token" in outputs:
+        logprobs = TokenLogprobs(*(outputs[name] for name in TokenLogprobs._fields))
+    elif kind.logprobs:
+        logits = outputs[LOGITS_OUTPUT]
     return GraphOutputs(outputs["new_ids"], outputs["kv"] if kind.writes else None, outputs.get("next_z"),
-                        outputs.get("next_certainty"), outputs.get("logits") if kind.logprobs else None)
+                        outputs.get("next_certainty"), logits, logprobs)
 
 
 class BoundStepGraph:
-    """The exported step graph of `kind` bound once to a bucket's buffers, for a backend that binds
-    (`BindingBackend`): `graph_inputs` in, `output_buffers` out; a call runs it and returns what
-    `apply` reads. It holds every buffer it binds, so that they live as long as the binding."""
+    """The step graph of `kind` bound once to a bucket's buffers (`Backend.bind`): `graph_inputs` in,
+    `output_buffers` out; a call runs it and returns what `apply` reads. It holds every buffer it binds,
+    so that they live as long as the binding."""
 
-    def __init__(self, backend: BindingBackend, state: DeviceState, kind: StepKind):
-        self.state = state
+    def __init__(self, backend: Backend, state: DeviceState, kind: StepKind):
+        self.state, self.kind = state, kind
         self.inputs = graph_inputs(state, kind)
-        self.outputs = output_buffers(backend.spec, state, kind, every_output=backend.every_output)
-        self.results = graph_outputs(self.outputs, kind)
-        self.run = backend.bind(kind.graph(state.bucket.guided), self.inputs, self.outputs)
+        self.outputs = output_buffers(backend.spec, state, kind, every_output=backend.every_output,
+                                      allocate=backend.outputs_in_place)
+        # buffers written in place are the same tensors at every step: what apply reads of them, made once
+        self.results = graph_outputs(self.outputs, kind) if backend.outputs_in_place else None
+        self.run = backend.bind(kind.graph(state.bucket.guided), self.inputs, self.outputs, kind.options)
 
-    def __call__(self, inputs: Mapping[str, Tensor]) -> GraphOutputs:
-        self.run()
-        return self.results
+    def __call__(self) -> GraphOutputs:
+        found = self.run()
+        return self.results if self.results is not None else graph_outputs(found, self.kind)
 
 
 def graph_inputs(state: DeviceState, kind: StepKind) -> dict[str, Tensor]:
@@ -285,11 +307,11 @@ def _write_work_left(state: DeviceState, masked: Tensor) -> None:
     state.status[:-1].copy_(torch.where(masked > 0, masked, (state.post_steps > 0).long()))
 
 
-def step(state: DeviceState, kind: StepKind, run_graph: Callable[[Mapping[str, Tensor]], GraphOutputs]) -> None:
-    """One step of `kind` on `state`, in place; `run_graph` runs the step graph on `graph_inputs`."""
+def step(state: DeviceState, kind: StepKind, run_graph: Callable[[], GraphOutputs]) -> None:
+    """One step of `kind` on `state`, in place; `run_graph` runs the step graph bound to `graph_inputs`."""
     active = state.status[:-1] > 0
     gather(state, kind)
-    apply(state, kind, active, run_graph(graph_inputs(state, kind)))
+    apply(state, kind, active, run_graph())
 
 
 def start_block(state: DeviceState, block_start: int, schedule: Tensor) -> None:

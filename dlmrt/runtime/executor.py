@@ -36,8 +36,8 @@ class StepProgram(Protocol):
 
     @property
     def binding_key(self) -> Hashable:
-        """What the bound graphs of a state depend on (a backend that specializes its graphs further
-        keys on the whole program: `Backend.binding_key`)."""
+        """What the bound graphs of a state depend on (a backend that specializes its graphs further,
+        `Backend.specializes`, keys on the whole program)."""
 
     def bind(self, backend: Backend, state: StaticBuffers) -> object:
         """The program's graphs bound to `state`'s buffers on `backend`."""
@@ -87,8 +87,9 @@ class Executor:
         self._runners[(id(state), program, steps)]()
 
     def graphs(self, state: StaticBuffers, program: StepProgram) -> object:
-        """The program's graphs bound to `state` (bound on first use, kept with the state)."""
-        key = (id(state), self.backend.binding_key(program))
+        """The program's graphs bound to `state` (bound on first use, kept with the state). A backend that
+        specializes its graphs binds one set per program."""
+        key = (id(state), program if self.backend.specializes else program.binding_key)
         if key not in self.bound:
             self.bound[key] = program.bind(self.backend, state)
         return self.bound[key]
@@ -121,14 +122,15 @@ class Executor:
         try:
             with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT,
                                             accumulated_recompile_limit=_RECOMPILE_LIMIT):
-                compiled(program, state, graphs)  # compiles, then runs: undone below
+                # compiles, then runs: undone below
+                self.backend.around_steps(lambda: compiled(program, state, graphs))()
         finally:
             state.restore(saved)
 
         def run():
             for _ in range(steps):
                 compiled(program, state, graphs)
-        return run
+        return self.backend.around_steps(run)
 
     def _after_failure(self, error: Exception, state, program: StepProgram, graphs, steps: int):
         if self.mode == "eager" or self.on_failure == "raise":
@@ -142,7 +144,7 @@ class Executor:
                           f"({type(error).__name__}: {_first_line(error)}); running eagerly instead",
                           RuntimeWarning, stacklevel=4)
             self._fallback_warned = True
-        return self._eager(state, program, self.backend.eager_graphs(state, program, graphs), steps)
+        return self._eager(state, program, graphs, steps)
 
 
 def _first_line(error: Exception) -> str:

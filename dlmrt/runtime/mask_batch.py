@@ -12,7 +12,7 @@ import torch
 
 from dlmrt.runtime import device_step
 from dlmrt.runtime import layout as layouts
-from dlmrt.runtime.device_state import Bucket
+from dlmrt.runtime.buckets import Bucket
 from dlmrt.runtime.running_batch import BlockOutcome, Row, RunningBatch, TokenLogprob
 from dlmrt.runtime.settings import GenerationSettings
 

@@ -20,10 +20,10 @@ from dlmrt.core.errors import ArgumentError, MissingExtraError
 from dlmrt.export.cpu_quantized import check_quantized, is_cpu_quantized
 from dlmrt.export.export_manifest import ExportManifest
 from dlmrt.models.denoiser import LayerGroupKV
-from dlmrt.runtime.backend import BindingBackend
+from dlmrt.runtime.backend import Backend, GraphOptions
 from dlmrt.runtime.model_spec import ModelSpec
 from dlmrt.runtime.uniform_state import CacheGroup, encoder_inputs, zero_cache
-from dlmrt.runtime.device_state import BucketLadder
+from dlmrt.runtime.buckets import BucketLadder
 from dlmrt.runtime.ort_cache import OptimizedModelCache
 
 OPTIMIZATION_LEVELS = ("disable", "basic", "extended", "all")
@@ -40,14 +40,15 @@ class _SessionBinding:
 
     def __init__(self, session, graph: str, inputs: Mapping[str, torch.Tensor], outputs: Mapping[str, torch.Tensor],
                  run_options, observe: Callable[[str, Mapping[str, torch.Tensor]], None] | None):
-        self.session, self.graph, self.inputs, self.run_options, self.observe = (session, graph, inputs, run_options,
-                                                                                  observe)
+        self.session, self.graph, self.inputs, self.outputs = session, graph, inputs, outputs
+        self.run_options, self.observe = run_options, observe
         self.binding = io_binding(session, inputs, outputs)
 
-    def __call__(self) -> None:
+    def __call__(self) -> Mapping[str, torch.Tensor]:
         if self.observe is not None:
             self.observe(self.graph, self.inputs)
         self.session.run_with_iobinding(self.binding, self.run_options)
+        return self.outputs
 
 
 def io_binding(session, inputs: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor]):
@@ -96,7 +97,7 @@ def session_options(optimization: str, threads: int | None, *, spinning: bool = 
     return options
 
 
-class OrtBackend(BindingBackend):
+class OrtBackend(Backend):
     def __init__(self, export_dir: str | Path, *, device: str | torch.device = "cpu", cuda_graph: bool | None = None,
                  threads: int | None = None, optimization: str = "all",
                  optimized_model_dir: str | Path | None = None,
@@ -173,8 +174,8 @@ class OrtBackend(BindingBackend):
         self._annotations = {graph: 0 for graph in self.sessions}  # the last graph annotation of each session
 
     # -- the graph runner -------------------------------------------------------------------------------
-    def bind(self, graph: str, inputs: Mapping[str, torch.Tensor],
-             outputs: Mapping[str, torch.Tensor]) -> _SessionBinding:
+    def bind(self, graph: str, inputs: Mapping[str, torch.Tensor], outputs: Mapping[str, torch.Tensor],
+             options: GraphOptions = GraphOptions()) -> _SessionBinding:
         return _SessionBinding(self.sessions[graph], graph, inputs, outputs, self._run_options(graph), self.observe)
 
     def around_steps(self, run: Callable[[], None]) -> Callable[[], None]:

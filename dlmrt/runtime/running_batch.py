@@ -21,6 +21,7 @@ from typing import Any, NamedTuple, Protocol
 
 from dlmrt.core.errors import ArgumentError
 from dlmrt.runtime.backend import Backend
+from dlmrt.runtime.batch_resources import resources
 from dlmrt.runtime.metrics import GenerationMetrics
 from dlmrt.runtime.settings import GenerationSettings
 from dlmrt.runtime.text import completion
@@ -130,7 +131,7 @@ class RunningBatch(ABC):
     compile_s: float = 0.0
 
     def __post_init__(self):
-        self.spec = self.backend.spec
+        self.spec, self.resources = self.backend.spec, resources(self.backend)
         self.eos = set(self.spec.eos_ids)
 
     @property
@@ -186,13 +187,14 @@ class RunningBatch(ABC):
         """Make `bucket`'s state the batch's: emptied (`reset(state)`) when no row runs, else holding the
         running rows, taken from the state they were in (`take_rows(state, old, slots)`) to slots 0, 1, ..."""
         old = self.state
-        self.state = old if old is not None and old.bucket == bucket else self.backend.prepare(bucket, owner=self)
+        same = old is not None and old.bucket == bucket
+        self.state = old if same else self.resources.pool.prepare(bucket, owner=self)
         if old is None or not self.rows:
             reset(self.state)
         else:
             take_rows(self.state, old, [row.slot for row in self.rows])
         if old is not None and old is not self.state:
-            self.backend.release(old)
+            self.resources.pool.release(old)
         for slot, row in enumerate(self.rows):
             row.slot = slot
 
@@ -261,10 +263,11 @@ class RunningBatch(ABC):
                     continue
                 steps = self._steps_per_sync(budget - taken, remaining, taken)
                 calls = [(kind, count) for kind, count in self._calls(taken, steps) if count]
-                self.compile_s += sum(self.backend.prepare_steps(self.state, kind, count) for kind, count in calls)
+                executor = self.resources.executor
+                self.compile_s += sum(executor.prepare(self.state, kind, count) for kind, count in calls)
                 tick = time.perf_counter()
                 for kind, count in calls:
-                    self.backend.run(self.state, kind, count)
+                    executor.run(self.state, kind, count)
                 remaining, self.worked = self._read_progress(steps)
                 self.backend_s += time.perf_counter() - tick
                 taken += steps
@@ -359,5 +362,5 @@ class RunningBatch(ABC):
     def close(self) -> None:
         """Give the bucket back (rows not finished are dropped)."""
         if self.state is not None:
-            self.backend.release(self.state)
+            self.resources.pool.release(self.state)
             self.state = None

@@ -25,9 +25,10 @@ import torch
 
 from dlmrt.core.errors import ArgumentError
 from dlmrt.runtime.backend import Backend
+from dlmrt.runtime.buckets import Bucket
+from dlmrt.runtime.device_state import DeviceState
+from dlmrt.runtime.device_step import StepKind, gather
 from dlmrt.runtime.model_spec import ModelSpec
-from dlmrt.runtime.device_state import Bucket, DeviceState
-from dlmrt.runtime.device_step import StepKind, gather, graph_inputs
 from dlmrt.runtime.running_batch import TokenLogprob
 
 
@@ -111,11 +112,11 @@ class Scorer:
             state.schedule.zero_()  # commit nothing: only the logits are read
             state.threshold.fill_(float("inf"))
             kind = StepKind(canvas, 0, logprobs=True)
-            graph = self.backend.step_graph(state, kind)
+            graph = kind.bind(self.backend, state)
             results = []
 
             def run_once():
-                results.append(graph(graph_inputs(state, kind)))
+                results.append(graph())
             run = self.backend.around_steps(run_once)  # on the backend's own stream, where it has one
 
             def run_graph():

@@ -8,7 +8,7 @@ Design notes: docs/runtime-modules.md#torch_backend.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 from torch import Tensor
@@ -16,14 +16,14 @@ from torch import Tensor
 from dlmrt.core.errors import ArgumentError
 from dlmrt.models import Denoiser
 from dlmrt.models.residual import Residual
-from dlmrt.models.step_graph import StepGraph
+from dlmrt.models.step_graph import GRAPHS, GUIDED_GRAPHS, LOGITS_OUTPUT, StepGraph, output_names
 from dlmrt.ops.entropy_bound import RenoiseParams, RenoiseResult, entropy_bound_step
 from dlmrt.ops.parallel_unmask import choice
 from dlmrt.runtime import onednn
-from dlmrt.runtime.backend import Backend
+from dlmrt.runtime.backend import Backend, GraphOptions
 from dlmrt.runtime.uniform_state import CacheGroup, UniformState
-from dlmrt.runtime.device_state import BucketLadder, DeviceState
-from dlmrt.runtime.device_step import GraphOutputs, StepKind, TokenLogprobs
+from dlmrt.runtime.buckets import BucketLadder
+from dlmrt.runtime.device_step import TokenLogprobs
 from dlmrt.runtime.executor import MODES
 from dlmrt.runtime.model_spec import ModelSpec
 
@@ -48,25 +48,29 @@ def resolve_mode(mode: str, device: torch.device) -> str:
     return mode
 
 
-class _TorchGraph:
-    """The step graph as `device_step.step` calls it: inputs by name in, what it reads out."""
+class _TorchBinding:
+    """A step graph module bound to the step's input buffers by name; a call runs it on them and returns
+    the outputs asked for by name (the module's own tensors)."""
 
-    def __init__(self, graph: StepGraph, observe: Callable[[Mapping[str, Tensor]], None] | None = None):
-        self.graph, self.observe = graph, observe
+    def __init__(self, graph: StepGraph, inputs: Mapping[str, Tensor], wanted: Iterable[str],
+                 observe: Callable[[Mapping[str, Tensor]], None] | None):
+        self.graph, self.inputs, self.observe = graph, dict(inputs), observe
+        names = output_names(graph.residual)
+        if graph.return_logits and graph.model.vocab_shard is not None:  # no rank holds all the logits
+            names = [*names[:-1], *TokenLogprobs._fields]
+        self.picks = tuple((name, names.index(name)) for name in wanted)
 
-    def __call__(self, inputs: Mapping[str, Tensor]) -> GraphOutputs:
+    def __call__(self) -> dict[str, Tensor]:
         if self.observe is not None:
-            self.observe(inputs)
-        out = self.graph(**inputs)
-        z, certainty = (out[5], out[6]) if self.graph.residual else (None, None)
-        if not self.graph.return_logits:
-            return GraphOutputs(out[0], out[4], z, certainty)
-        if self.graph.model.vocab_shard is not None:
-            return GraphOutputs(out[0], out[4], z, certainty, logprobs=TokenLogprobs(*out[-3:]))
-        return GraphOutputs(out[0], out[4], z, certainty, logits=out[-1])
+            self.observe(self.inputs)
+        out = self.graph(**self.inputs)
+        return {name: out[index] for name, index in self.picks}
 
 
 class TorchBackend(Backend):
+    outputs_in_place = False  # a module returns tensors of its own
+    specializes = True  # one step graph module per GraphOptions
+
     def __init__(self, model: Denoiser, *, mode: str = "auto", max_batch: int = DEFAULT_MAX_BATCH,
                  max_length: int | None = None, batch_sizes: tuple[int, ...] | None = None,
                  canvas_lengths: tuple[int, ...] | None = None, unmask: str = "auto",
@@ -88,10 +92,10 @@ class TorchBackend(Backend):
             batch_hint="raise the limit with --max-batch (TorchBackend(max_batch=...))",
             canvas_hint="raise it with TorchBackend(max_length=...), up to the model's context"),
             mode=resolved, on_failure="fall back" if mode == "auto" else "explain", on_compile=on_compile)
-        self.model, self.mode, self.observe = model, resolved, observe
+        self.model, self.observe = model, observe
         # "torch" or "triton"; a bucket that falls back to eager keeps it
         self.unmask = choice.resolve(unmask, spec.device, resolved, sharded=spec.vocab_ranks > 1)
-        self._graphs: dict[tuple, _TorchGraph] = {}
+        self._graphs: dict[tuple, StepGraph] = {}
         self._packed: onednn.PackedModel | None = None  # the model with its linears on oneDNN, on a CPU
 
     def _step_model(self) -> Denoiser:
@@ -100,37 +104,39 @@ class TorchBackend(Backend):
             return self.model
         if self._packed is None:
             self._packed = onednn.PackedModel(self.model)
+        else:
+            self._packed.refresh()
         return self._packed.model
 
-    def prepare_steps(self, state, program, steps: int) -> float:
-        if self._packed is not None:
-            self._packed.refresh()  # the model's weights may have changed since the last steps (training)
-        return super().prepare_steps(state, program, steps)
-
     # -- the graph runner ---------------------------------------------------------------------------
-    def step_graph(self, state: DeviceState, kind: StepKind, model: Denoiser | None = None) -> _TorchGraph:
-        model = model or self._step_model()
-        grid = state.bucket.block if self.spec.block_causal else None
-        graph = kind.graph(state.bucket.guided)
-        key = (graph, grid, kind.writes > 0, kind.sampling, kind.confidence, kind.editing, kind.logprobs, id(model))
+    def bind(self, graph: str, inputs: Mapping[str, Tensor], outputs: Mapping[str, Tensor | None],
+             options: GraphOptions = GraphOptions()) -> _TorchBinding:
+        """The step graph module for `graph` on these inputs, specialized on what the step reads (K/V
+        out only where `outputs` has a buffer for it, the block's logits likewise) and on `options`."""
+        if graph not in GRAPHS + GUIDED_GRAPHS:
+            raise ValueError(f"the torch backend builds the step graphs {GRAPHS + GUIDED_GRAPHS}, not {graph!r}")
+        model = self._step_model()
+        grid = inputs["block_index"].shape[0] if self.spec.block_causal else None
+        return_kv, logits = "kv" in outputs, LOGITS_OUTPUT in outputs or "top_token" in outputs
+        key = (graph, grid, return_kv, options, logits, id(model))
         if key not in self._graphs:
-            self._graphs[key] = _TorchGraph(StepGraph(model, graph, grid, return_kv=kind.writes > 0,
-                                                      sampling=kind.sampling, confidence=kind.confidence,
-                                                      editing=kind.editing, unmask=self.unmask,
-                                                      return_logits=kind.logprobs).eval(),
-                                            self.observe)
-        return self._graphs[key]
+            self._graphs[key] = StepGraph(model, graph, grid, return_kv=return_kv, sampling=options.sampling,
+                                          confidence=options.confidence, editing=options.editing,
+                                          unmask=self.unmask, return_logits=logits).eval()
+        return _TorchBinding(self._graphs[key], inputs, outputs, self.observe)
+
+    def around_steps(self, run: Callable[[], None]) -> Callable[[], None]:
+        if self._packed is None:
+            return run
+        packed = self._packed
+
+        def refreshed() -> None:
+            packed.refresh()  # the model's weights may have changed since the last steps (training)
+            run()
+        return refreshed
 
     def uniform_graphs(self, state: UniformState) -> _TorchUniformGraphs:
         return _TorchUniformGraphs(self.model)
-
-    def binding_key(self, program) -> object:
-        return program  # the torch step graph is specialized on the whole kind (sampling, confidence, ...)
-
-    def eager_graphs(self, state, program, graphs):
-        if isinstance(program, StepKind):
-            return self.step_graph(state, program, self.model)
-        return graphs
 
     def cache_groups(self) -> tuple[CacheGroup, CacheGroup]:
         return tuple(CacheGroup(*shape) for shape in self.model.cache_groups())

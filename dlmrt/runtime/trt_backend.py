@@ -21,10 +21,10 @@ from dlmrt.core.errors import ArgumentError, DlmrtError, MissingExtraError
 from dlmrt.export.export_manifest import CANVAS_GRAPHS, ExportManifest
 from dlmrt.ops import register_tensorrt_plugins
 from dlmrt.models.denoiser import LayerGroupKV
-from dlmrt.runtime.backend import BindingBackend
+from dlmrt.runtime.backend import Backend, GraphOptions
 from dlmrt.runtime.model_spec import ModelSpec
 from dlmrt.runtime.uniform_state import CacheGroup, encoder_inputs, zero_cache
-from dlmrt.runtime.device_state import BucketLadder
+from dlmrt.runtime.buckets import BucketLadder
 
 
 class EngineRunError(DlmrtError):
@@ -40,7 +40,7 @@ def import_tensorrt():
     return tensorrt
 
 
-class TrtBackend(BindingBackend):
+class TrtBackend(Backend):
     every_output = True  # TensorRT needs an address for every output
 
     def __init__(self, export_dir: str | Path, engines: str | Path | None = None, *, precision: str | None = None,
@@ -85,9 +85,10 @@ class TrtBackend(BindingBackend):
         self._trt = trt
         self._current: dict[str, _EngineBinding] = {}  # per graph: the binding its context is set up for
 
-    def bind(self, graph: str, inputs: Mapping[str, torch.Tensor],
-             outputs: Mapping[str, torch.Tensor]) -> Callable[[], None]:
-        return _EngineBinding(self, graph, dict(inputs), dict(outputs))
+    def bind(self, graph: str, inputs: Mapping[str, torch.Tensor], outputs: Mapping[str, torch.Tensor],
+             options: GraphOptions = GraphOptions()) -> _EngineBinding:
+        outputs = dict(outputs)
+        return _EngineBinding(self, graph, dict(inputs), outputs, outputs)
 
     # -- a uniform-noise model's encoder --------------------------------------------------------------
     def cache_groups(self) -> tuple[CacheGroup, CacheGroup]:

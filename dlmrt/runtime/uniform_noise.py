@@ -16,7 +16,7 @@ from torch import Tensor
 
 from dlmrt.models.denoiser import LayerGroupKV
 from dlmrt.ops.entropy_bound import pad_after_eos
-from dlmrt.runtime.device_state import Bucket
+from dlmrt.runtime.buckets import Bucket
 from dlmrt.runtime.uniform_state import UniformState
 from dlmrt.runtime.uniform_step import UNIFORM_STEP
 from dlmrt.runtime.running_batch import BlockOutcome, Row, RunningBatch

@@ -13,8 +13,8 @@ from torch import Tensor
 
 from dlmrt.core import limits
 from dlmrt.models.denoiser import LayerGroupKV
+from dlmrt.runtime.buckets import Bucket
 from dlmrt.runtime.model_spec import ModelSpec
-from dlmrt.runtime.device_state import Bucket
 from dlmrt.runtime.static_buffers import StaticBuffers, shifted_copy
 
 

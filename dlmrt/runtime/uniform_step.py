@@ -33,9 +33,10 @@ class UniformGraphs(Protocol):
 
 
 class BoundUniformGraphs:
-    """Exported `decode` and `soft_tokens` graphs bound once to a bucket's buffers, for a backend that binds
-    (ONNX Runtime, TensorRT). `bind(graph, inputs, outputs)` binds a graph to buffers by name and returns
-    a callable that runs it on them; a step then copies nothing but the scaled logits into place."""
+    """Exported `decode` and `soft_tokens` graphs bound once to a bucket's buffers, for a backend whose
+    graphs write their outputs in place (ONNX Runtime, TensorRT). `bind(graph, inputs, outputs)` binds a
+    graph to buffers by name and returns a callable that runs it on them; a step then copies nothing but
+    the scaled logits into place."""
 
     def __init__(self, state: UniformState, vocab_size: int,
                  bind: Callable[[str, Mapping[str, Tensor], Mapping[str, Tensor]], Callable[[], object]]):
@@ -72,7 +73,9 @@ class UniformStep:
     binding_key: str = "uniform"
 
     def bind(self, backend: Backend, state: UniformState) -> UniformGraphs:
-        return backend.uniform_graphs(state)
+        if backend.outputs_in_place:
+            return BoundUniformGraphs(state, backend.spec.vocab_size, backend.bind)
+        return backend.uniform_graphs(state)  # the torch modules, called on the step's own tensors
 
     def step(self, state: UniformState, graphs: UniformGraphs) -> None:
         step(state, graphs)

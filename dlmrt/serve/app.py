@@ -93,7 +93,7 @@ def create_app(model, backend: Backend, server_limits: ServerLimits = ServerLimi
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        logger.info("serving %s: %s, mode %s, max batch %d", name, type(backend).__name__, backend.executor.mode,
+        logger.info("serving %s: %s, mode %s, max batch %d", name, type(backend).__name__, backend.mode,
                     backend.ladder.max_batch)
         # What startup built (the model, torch, the libraries: some 340,000 objects with the tiny model) leaves
         # the collector's full passes, each of which held the event loop, /health too, for 0.6 s on 2 cores

@@ -135,16 +135,16 @@ def test_the_gate_passes_an_unchanged_tree_and_writes_its_summaries(suite, tmp_p
 def test_the_gate_fails_a_slowdown_that_repeats(suite, monkeypatch, tmp_path):
     import time
 
-    from dlmrt.runtime.torch_backend import TorchBackend
+    from dlmrt.runtime.executor import Executor
 
     path, baseline = suite
-    run = TorchBackend.run
+    run = Executor.run
 
     def slow_run(self, *args, **kwargs):  # redundant work on every step: a regression of the loop
         time.sleep(0.05)  # tens of times a tiny step: far beyond the noise of a loaded machine
         return run(self, *args, **kwargs)
 
-    monkeypatch.setattr(TorchBackend, "run", slow_run)
+    monkeypatch.setattr(Executor, "run", slow_run)
     junit = tmp_path / "gate.xml"
     result = bench("--suite", path, "--baseline", baseline, "--check", "--junit", junit)
     assert result.exit_code == 1, result.output

@@ -11,6 +11,7 @@ import dlmrt  # noqa: E402
 from dlmrt.core import tasks  # noqa: E402
 from dlmrt.core.errors import MissingExtraError  # noqa: E402
 from dlmrt.runtime import GenerationSettings, Generator, Threshold, text  # noqa: E402
+from dlmrt.runtime.batch_resources import resources  # noqa: E402
 from dlmrt.runtime.ort_backend import GRAPH_ANNOTATION, NO_SYNC, OrtBackend  # noqa: E402
 
 CUDA_PROVIDER = "CUDAExecutionProvider" in ort.get_available_providers() and torch.cuda.is_available()
@@ -25,7 +26,7 @@ def prompts():
 def annotations(backend: OrtBackend) -> dict[tuple, str]:
     """Each binding's (session, step kind, batch) and the CUDA graph annotation it runs with."""
     return {(id(b.run.session), key[1], b.state.bucket): b.run.run_options.get_run_config_entry(GRAPH_ANNOTATION)
-            for key, b in backend.executor.bound.items()}
+            for key, b in resources(backend).executor.bound.items()}
 
 
 def test_every_bucket_and_step_kind_runs_its_own_cuda_graph(tiny_export, prompts):
@@ -43,7 +44,8 @@ def test_every_bucket_and_step_kind_runs_its_own_cuda_graph(tiny_export, prompts
     assert len(first) >= 4
     for found in by_session.values():
         assert len(set(found)) == len(found) and all(int(a) > 0 for a in found)  # 0 is ONNX Runtime's own
-    assert all(b.run.run_options.get_run_config_entry(NO_SYNC) == "1" for b in backend.executor.bound.values())
+    bound = resources(backend).executor.bound.values()
+    assert all(b.run.run_options.get_run_config_entry(NO_SYNC) == "1" for b in bound)
 
     again = [generator.generate(prompts[:n], settings).tokens for settings, n in runs]
     assert annotations(backend) == first
@@ -56,8 +58,8 @@ def test_every_bucket_and_step_kind_runs_its_own_cuda_graph(tiny_export, prompts
 def test_without_cuda_graphs_no_run_is_annotated(tiny_export, prompts):
     backend = OrtBackend(tiny_export)
     Generator(backend).generate(prompts[:1], GenerationSettings(16, 8, Threshold(0.9), cache="prefix"))
-    assert backend.executor.bound
-    for binding in backend.executor.bound.values():
+    assert resources(backend).executor.bound
+    for binding in resources(backend).executor.bound.values():
         with pytest.raises(RuntimeError, match="does not have configuration"):
             binding.run.run_options.get_run_config_entry(GRAPH_ANNOTATION)
 

@@ -18,6 +18,7 @@ from dlmrt.models import checkpoint
 from dlmrt.export.export_manifest import MANIFEST_FILE, ExportLimits, ExportManifest  # noqa: E402
 from dlmrt.runtime import (  # noqa: E402
     CACHE_MODES, Factor, Fixed, GenerationSettings, Generator, LLaDA2, ResidualPolicy, Threshold, text)
+from dlmrt.runtime.batch_resources import resources  # noqa: E402
 from dlmrt.runtime.ort_backend import OrtBackend  # noqa: E402
 from helpers import LLADA, LLADA2, random_model  # noqa: E402
 from shared_exports import SHARED_EXPORTS  # noqa: E402
@@ -72,10 +73,10 @@ def test_ort_binds_each_step_kind_once_and_no_kv_where_none_is_written(exported)
     backend = OrtBackend(directory)
     settings = GenerationSettings(12, 4, Threshold(0.3), cache="dual", ignore_eos=True)
     Generator(backend).generate(PROMPTS, settings)
-    bindings = dict(backend.executor.bound)
+    bindings = dict(resources(backend).executor.bound)
     assert torch.equal(Generator(backend).generate(PROMPTS, settings).tokens,
                        Generator(model, mode="eager").generate(PROMPTS, settings).tokens)
-    assert backend.executor.bound == bindings  # the second request binds nothing: the buffers are the same
+    assert resources(backend).executor.bound == bindings  # the second request binds nothing: the buffers are the same
     kinds = {(window, writes): binding for (_, (window, _, _, writes, _)), binding in bindings.items()}
     refresh, block = kinds[(24, 24)], kinds[(4, 0)]  # 3 rows of up to 9 + 12 tokens: a canvas of 24
     assert refresh.outputs["kv"].data_ptr() == refresh.state.kv.data_ptr()  # straight into the cache storage

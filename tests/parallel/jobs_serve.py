@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
+from dlmrt.runtime.batch_resources import resources
 from dlmrt.parallel.lockstep import Channel, Leader, follow
 from dlmrt.parallel.plan import ParallelPlan
 from dlmrt.runtime import GenerationSettings, text
@@ -31,8 +32,8 @@ def scheduled(ranks, make_model, plan: ParallelPlan | None, requests: list[Reque
         plan.apply(model, ranks)
     backend = TorchBackend(model, mode="eager", max_batch=4)
     runs = []
-    run = backend.run
-    backend.run = lambda state, kind, count: (runs.append(count), run(state, kind, count))[1]
+    run = resources(backend).executor.run
+    resources(backend).executor.run = lambda state, kind, count: (runs.append(count), run(state, kind, count))[1]
     if ranks is not None and ranks.rank > 0:
         follow(backend, Channel(ranks))
         return {"runs": runs}

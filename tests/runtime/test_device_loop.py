@@ -15,6 +15,7 @@ from torch.overrides import TorchFunctionMode
 
 from dlmrt.core.errors import ArgumentError
 from dlmrt.runtime import Factor, Fixed, GenerationSettings, Generator, LLaDA2, Threshold
+from dlmrt.runtime.batch_resources import resources
 from dlmrt.runtime.torch_backend import TorchBackend
 from helpers import interpret_cases, run_in_interpreter
 
@@ -72,7 +73,7 @@ class DeviceReads(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if getattr(func, "__name__", None) in READS and args and isinstance(args[0], torch.Tensor):
-            storages = {t.untyped_storage().data_ptr() for state in self.backend._states.values()
+            storages = {t.untyped_storage().data_ptr() for state in resources(self.backend).pool.states.values()
                         for t in state.tensors().values()}
             self.count += args[0].untyped_storage().data_ptr() in storages
         return func(*args, **(kwargs or {}))
@@ -163,7 +164,7 @@ def test_a_failed_compile_falls_back_to_eager_only_for_the_default_mode(llada, m
     monkeypatch.setattr(torch, "compile", _failing_compile)
     settings = GenerationSettings(8, 4, Threshold(0.3), cache="dual", ignore_eos=True)
     backend = TorchBackend(llada, mode="compile")
-    backend.executor = Executor(backend, "compile", "fall back")
+    resources(backend).executor = Executor(backend, "compile", "fall back")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fallback = Generator(backend).generate(PROMPTS, settings)

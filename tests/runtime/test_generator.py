@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from dlmrt.runtime.batch_resources import resources
 from dlmrt.runtime import (Factor, Fixed, GenerationSettings, Generator, LLaDA2, ResidualPolicy, Threshold,
                            reference)
 from dlmrt.runtime.torch_backend import TorchBackend
@@ -24,13 +25,13 @@ PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19, 20]]
 
 def record_steps(backend, what):
     """Call `what(state, kind)` before every step `backend` runs (the run of K steps counts K)."""
-    original = backend.run
+    original = resources(backend).executor.run
 
     def run(state, kind, steps):
         for _ in range(steps):
             what(state, kind)
             original(state, kind, 1)
-    backend.run = run
+    resources(backend).executor.run = run
     return backend
 
 

@@ -18,8 +18,9 @@ import dlmrt
 from dlmrt.bench.counted import count_work
 from dlmrt.runtime import GenerationSettings, Generator, LLaDA21, Threshold, text
 from dlmrt.runtime import device_step
-from dlmrt.runtime.device_state import Bucket, DeviceState
 from dlmrt.runtime.batches import open_batch
+from dlmrt.runtime.buckets import Bucket
+from dlmrt.runtime.device_state import DeviceState
 from dlmrt.runtime.model_spec import ModelSpec
 from dlmrt.runtime.torch_backend import TorchBackend
 

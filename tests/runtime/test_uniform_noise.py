@@ -256,7 +256,7 @@ def test_the_step_reads_nothing_from_the_host_and_copies_nothing_to_the_device(m
     emulated on a CPU: on the meta device, with `torch.cuda.is_current_stream_capturing()` true (the
     fixed-shape paths), after one step as the executor's warm-up. A copy from the host or a host read
     in it would fail the capture (`Cannot copy between CPU and CUDA tensors during CUDA graph capture`)."""
-    from dlmrt.runtime.device_state import Bucket
+    from dlmrt.runtime.buckets import Bucket
     from dlmrt.runtime.torch_backend import TorchBackend
     from dlmrt.runtime.uniform_state import UniformState
     from dlmrt.runtime.uniform_step import UNIFORM_STEP

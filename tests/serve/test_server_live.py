@@ -15,6 +15,7 @@ pytest.importorskip("fastapi", reason="the server needs the 'serve' extra")
 import httpx  # noqa: E402
 
 import dlmrt  # noqa: E402
+from dlmrt.runtime.batch_resources import resources  # noqa: E402
 from dlmrt.core.chat_template import load_chat_template  # noqa: E402
 from dlmrt.runtime import GenerationSettings, Generator, text  # noqa: E402
 from dlmrt.runtime.torch_backend import TorchBackend  # noqa: E402
@@ -26,12 +27,12 @@ PROMPTS = ["add:762+139=", "rev:abcdefghij=", "sort:3142=", "rev:abc=", "add:5+1
 
 def slowed(backend, seconds: float):
     """`backend` with each run of steps taking at least `seconds` (so requests overlap in time)."""
-    run = backend.run
+    run = resources(backend).executor.run
 
     def slow_run(state, kind, steps):
         time.sleep(seconds)
         run(state, kind, steps)
-    backend.run = slow_run
+    resources(backend).executor.run = slow_run
     return backend
 
 
@@ -154,13 +155,13 @@ def test_a_client_killed_mid_stream_leaves_the_batch(model):
     # reach its end before the client read its first chunk.
     backend = TorchBackend(model, mode="eager")
     client_gone = threading.Event()
-    run = backend.run
+    run = resources(backend).executor.run
 
     def run_held_after_the_first_block(state, kind, steps):
         if scheduler.stats.generated_tokens >= 4:
             client_gone.wait(30)
         run(state, kind, steps)
-    backend.run = run_held_after_the_first_block
+    resources(backend).executor.run = run_held_after_the_first_block
     app = create_app(model, backend)
     scheduler = app.state.scheduler
     with LiveServer(app) as live:

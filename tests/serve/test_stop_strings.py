@@ -14,6 +14,7 @@ pytest.importorskip("fastapi", reason="the server needs the 'serve' extra")
 
 from fastapi.testclient import TestClient  # noqa: E402
 
+from dlmrt.runtime.batch_resources import resources  # noqa: E402
 from dlmrt.runtime.torch_backend import TorchBackend  # noqa: E402
 from dlmrt.serve.app import create_app  # noqa: E402
 from dlmrt.serve.stop_strings import StopScan, tokens_spanning  # noqa: E402
@@ -72,12 +73,12 @@ def test_a_stop_string_ends_the_rows_decoding(model):
     """Blocks of 2: the stop string is in the first; the row leaves the batch cancelled instead of
     decoding on to its end-of-sequence in the third."""
     backend = TorchBackend(model, mode="eager")
-    run = backend.run
+    run = resources(backend).executor.run
 
     def slow_run(state, kind, steps):  # so that the row is still decoding when the stop is seen
         time.sleep(0.1)
         run(state, kind, steps)
-    backend.run = slow_run
+    resources(backend).executor.run = slow_run
     app = create_app(model, backend)
     scheduler = app.state.scheduler
     with TestClient(app) as client:  # one event loop throughout, as a server's: it takes the row's later blocks
