@@ -18,7 +18,6 @@ from dlmrt.runtime.model_spec import ModelSpec
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from dlmrt.models.denoiser import LayerGroupKV
     from dlmrt.runtime.buckets import BucketLadder
     from dlmrt.runtime.uniform_state import CacheGroup
 
@@ -58,10 +57,6 @@ class Backend(ABC):
     def cache_groups(self) -> tuple[CacheGroup, CacheGroup]:
         """A uniform-noise model's cache shapes: its sliding and its full layers'."""
         raise ArgumentError(f"{self.spec.name} is a mask model: it has no encoder cache")
-
-    def encode(self, ids: Tensor, positions: Tensor, key_mask: Tensor, cache: LayerGroupKV | None) -> LayerGroupKV:
-        """A uniform-noise model's cache commit: `cache` extended by the causal encoder's K/V of `ids`."""
-        raise ArgumentError(f"{self.spec.name} is a mask model: it has no encoder")
 
     def around_steps(self, run: Callable[[], None]) -> Callable[[], None]:
         """`run` (K steps) as this backend enqueues it: e.g. on a stream of its own."""

@@ -19,10 +19,9 @@ import torch
 from dlmrt.core.errors import ArgumentError, MissingExtraError
 from dlmrt.export.cpu_quantized import check_quantized, is_cpu_quantized
 from dlmrt.export.export_manifest import ExportManifest
-from dlmrt.models.denoiser import LayerGroupKV
 from dlmrt.runtime.backend import Backend, GraphOptions
 from dlmrt.runtime.model_spec import ModelSpec
-from dlmrt.runtime.uniform_state import CacheGroup, encoder_inputs, zero_cache
+from dlmrt.runtime.uniform_state import CacheGroup
 from dlmrt.runtime.buckets import BucketLadder
 from dlmrt.runtime.ort_cache import OptimizedModelCache
 
@@ -201,7 +200,7 @@ class OrtBackend(Backend):
             options.add_run_config_entry(GRAPH_ANNOTATION, str(self._annotations[graph]))
         return options
 
-    # -- a uniform-noise model's encoder ------------------------------------------------------------------
+    # -- a uniform-noise model's cache -----------------------------------------------------------------
     def cache_groups(self) -> tuple[CacheGroup, CacheGroup]:
         """The fixed sizes of each cache group, from the decoder's contract: [layers, 2, B, heads, P, head size]."""
         if self.spec.noise != "uniform":
@@ -209,18 +208,3 @@ class OrtBackend(Backend):
         inputs = {c.name: c.shape for c in self.manifest.graphs["decode"].inputs}
         return tuple(CacheGroup(layers, heads, head)
                      for layers, _, _, heads, _, head in (inputs[name] for name in ("past_sliding", "past_full")))
-
-    def encode(self, ids: torch.Tensor, positions: torch.Tensor, key_mask: torch.Tensor,
-               cache: LayerGroupKV | None) -> LayerGroupKV:
-        if self.spec.noise != "uniform":
-            return super().encode(ids, positions, key_mask, cache)
-        if cache is None:  # the prompt
-            cache = zero_cache(self.cache_groups(), ids.shape[0], 0, self.spec.dtype)
-        return LayerGroupKV(*self._run("encode", encoder_inputs(ids, positions, key_mask, cache)))
-
-    def _run(self, graph: str, feeds: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
-        """`graph` on copies of `feeds`, outside any binding."""
-        if self.observe is not None:
-            self.observe(graph, feeds)
-        arrays = {name: np.ascontiguousarray(tensor.detach().cpu().numpy()) for name, tensor in feeds.items()}
-        return [torch.from_numpy(array) for array in self.sessions[graph].run(None, arrays)]

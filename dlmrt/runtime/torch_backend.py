@@ -15,6 +15,7 @@ from torch import Tensor
 
 from dlmrt.core.errors import ArgumentError
 from dlmrt.models import Denoiser
+from dlmrt.models.denoiser import LayerGroupKV
 from dlmrt.models.residual import Residual
 from dlmrt.models.step_graph import GRAPHS, GUIDED_GRAPHS, LOGITS_OUTPUT, StepGraph, output_names
 from dlmrt.ops.entropy_bound import RenoiseParams, RenoiseResult, entropy_bound_step
@@ -141,16 +142,25 @@ class TorchBackend(Backend):
     def cache_groups(self) -> tuple[CacheGroup, CacheGroup]:
         return tuple(CacheGroup(*shape) for shape in self.model.cache_groups())
 
-    @torch.no_grad()
-    def encode(self, ids: Tensor, positions: Tensor, key_mask: Tensor, cache):
-        return self.model.encode(ids, positions=positions, key_mask=key_mask, past=cache)
-
 
 class _TorchUniformGraphs:
     """A uniform-noise model's decoder and soft tokens as `uniform_step.step` calls them."""
 
     def __init__(self, model: Denoiser):
         self.model = model
+
+    def encoder(self, inputs: Mapping[str, Tensor]) -> Callable[[], LayerGroupKV]:
+        """The encoder on the state's views `inputs` (`UniformState.encoder_inputs`): a prompt is
+        encoded over no cache at all, as the model's own loop does."""
+        ids, positions, block_keys = inputs["ids"], inputs["positions"], inputs["key_mask"]
+        past = LayerGroupKV(inputs["past_sliding"], inputs["past_full"], inputs["past_positions"])
+        if past.positions.shape[1] == 0:
+            return lambda: self.model.encode(ids, positions=positions, key_mask=block_keys)
+
+        def commit() -> LayerGroupKV:
+            key_mask = torch.cat((inputs["past_key_mask"], block_keys), dim=1)
+            return self.model.encode(ids, positions=positions, key_mask=key_mask, past=past)
+        return commit
 
     def decode(self, state: UniformState) -> Tensor:
         key_mask = torch.cat((state.past_key_mask, state.key_mask), dim=1)

@@ -20,10 +20,9 @@ from dlmrt.engines.store import EngineStore
 from dlmrt.core.errors import ArgumentError, DlmrtError, MissingExtraError
 from dlmrt.export.export_manifest import CANVAS_GRAPHS, ExportManifest
 from dlmrt.ops import register_tensorrt_plugins
-from dlmrt.models.denoiser import LayerGroupKV
 from dlmrt.runtime.backend import Backend, GraphOptions
 from dlmrt.runtime.model_spec import ModelSpec
-from dlmrt.runtime.uniform_state import CacheGroup, encoder_inputs, zero_cache
+from dlmrt.runtime.uniform_state import CacheGroup
 from dlmrt.runtime.buckets import BucketLadder
 
 
@@ -90,31 +89,10 @@ class TrtBackend(Backend):
         outputs = dict(outputs)
         return _EngineBinding(self, graph, dict(inputs), outputs, outputs)
 
-    # -- a uniform-noise model's encoder --------------------------------------------------------------
+    # -- a uniform-noise model's cache -----------------------------------------------------------------
     def cache_groups(self) -> tuple[CacheGroup, CacheGroup]:
         shapes = (tuple(self._engines["decode"].get_tensor_shape(name)) for name in ("past_sliding", "past_full"))
         return tuple(CacheGroup(layers, heads, head) for layers, _, _, heads, _, head in shapes)
-
-    @torch.no_grad()
-    def encode(self, ids: torch.Tensor, positions: torch.Tensor, key_mask: torch.Tensor,
-               cache: LayerGroupKV | None) -> LayerGroupKV:
-        """The encoder engine on buffers made for this call: its prefix grows block by block, so
-        it runs once per block outside the steps, with the shapes of that block."""
-        if cache is None:  # the prompt
-            cache = zero_cache(self.cache_groups(), ids.shape[0], 0, self.spec.dtype, self.spec.device)
-        inputs = {name: tensor.contiguous() for name, tensor in encoder_inputs(ids, positions, key_mask,
-                                                                                cache).items()}
-        context = self._contexts["encode"]
-        for name, tensor in inputs.items():
-            if not context.set_input_shape(name, tuple(tensor.shape)):
-                raise ArgumentError(f"encode input {name} of shape {list(tensor.shape)} lies outside the engine's "
-                                    f"profile: {self.rebuild_hint}")
-        outputs = {name: torch.empty(tuple(context.get_tensor_shape(name)), device=self.spec.device,
-                                     dtype=torch.long if name == "cache_positions" else self.spec.dtype)
-                   for name in ("sliding", "full", "cache_positions")}
-        self._current.pop("encode", None)
-        binding = _EngineBinding(self, "encode", inputs, outputs, LayerGroupKV(*outputs.values()))
-        return binding()
 
 
 class _EngineBinding:

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dlmrt.models.denoiser import LayerGroupKV
 from dlmrt.ops.entropy_bound import pad_after_eos
 from dlmrt.runtime.buckets import Bucket
+from dlmrt.runtime.encode_step import EncodeStep
 from dlmrt.runtime.uniform_state import UniformState
 from dlmrt.runtime.uniform_step import UNIFORM_STEP
 from dlmrt.runtime.running_batch import BlockOutcome, Row, RunningBatch
@@ -37,8 +37,6 @@ class UniformRow(Row):
 
 @dataclass
 class UniformBatch(RunningBatch):
-    _tokens: Tensor | None = None  # the last block's tokens, [B, W]: what the cache commit encodes
-
     @property
     def stop_ids(self) -> tuple[int, ...]:
         return self.spec.eos_ids
@@ -83,7 +81,7 @@ class UniformBatch(RunningBatch):
     def _encode_prompts(self, joining: Sequence[UniformRow]) -> None:
         """The encoder's K/V of the joining rows' left-padded prompts, written to their prompt regions.
         It runs over the whole batch; every other row sees one pad token, and its K/V is not kept."""
-        state, device = self.state, self.spec.device
+        state = self.state
         rows, width = state.bucket.batch, state.bucket.prompt
         ids = torch.full((rows, width), self.spec.pad_id, dtype=torch.long)
         key_mask = torch.zeros(rows, width, dtype=torch.bool)
@@ -91,17 +89,21 @@ class UniformBatch(RunningBatch):
         for row in joining:  # positions count each row's own tokens
             ids[row.slot, width - row.prompt_length:] = torch.tensor(row.prompt)
             key_mask[row.slot, width - row.prompt_length:] = True
-        ids, key_mask = ids.to(device), key_mask.to(device)
-        slots = self._slots(joining)
-        self._encode(ids, (key_mask.long().cumsum(-1) - 1).clamp(min=0), key_mask, None, 0, slots)
+        state.prompt_ids.copy_(ids)
+        state.prompt_key_mask.copy_(key_mask)
+        state.prompt_positions.copy_((key_mask.long().cumsum(-1) - 1).clamp(min=0))
+        self._encode(EncodeStep(None), self._slots(joining))
         for row in joining:
-            state.place_row(row.slot, key_mask[row.slot], row.params)
+            state.place_row(row.slot, state.prompt_key_mask[row.slot], row.params)
 
-    def _encode(self, ids: Tensor, positions: Tensor, key_mask: Tensor, cache: LayerGroupKV | None,
-                start: int, rows: Tensor) -> None:
-        """Run the encoder and store the K/V it adds from cache position `start` on, for `rows`."""
+    def _encode(self, program: EncodeStep, rows: Tensor) -> None:
+        """Run the encoder step `program` and keep the K/V it adds for `rows`."""
+        self.state.committing.zero_()
+        self.state.committing[rows] = True
+        executor = self.resources.executor
+        self.compile_s += executor.prepare(self.state, program, 1)
         tick = time.perf_counter()
-        self.state.write_cache(self.backend.encode(ids, positions, key_mask, cache), start, rows)
+        executor.run(self.state, program, 1)
         self.executed += 1
         self.worked += 1
         self.backend_s += time.perf_counter() - tick
@@ -138,8 +140,8 @@ class UniformBatch(RunningBatch):
         stops[list(stopping)] = True
         cut = pad_after_eos(state.argmax, self._eos_ids, pad, state.finished)
         plain = state.argmax.masked_fill(state.finished[:, None], pad)  # padding rows took no step: not -1
-        self._tokens = torch.where(stops.to(device)[:, None], cut, plain)
-        host = torch.cat((self._tokens, state.forwards[:, None]), dim=1).tolist()  # the one host read a block
+        torch.where(stops.to(device)[:, None], cut, plain, out=state.block_tokens)
+        host = torch.cat((state.block_tokens, state.forwards[:, None]), dim=1).tolist()  # the one host read a block
         outcomes = []
         for row, gone in zip(rows, cancelled):
             *tokens, row.forwards = host[row.slot]
@@ -157,8 +159,7 @@ class UniformBatch(RunningBatch):
         state, width = self.state, self.key.block_length
         for block in sorted({row.block for row in keep}):
             slot, rows = state.bucket.slot(block), self._slots([row for row in keep if row.block == block])
-            key_mask = torch.cat((state.past_key_mask[:, :slot], state.key_mask), dim=1)
-            self._encode(self._tokens, state.positions, key_mask, state.cache_before(block), slot, rows)
+            self._encode(EncodeStep(block), rows)
             state.past_key_mask[rows, slot:slot + width] = True
         if keep:
             state.block[self._slots(keep)] += 1

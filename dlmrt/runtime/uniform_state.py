@@ -35,20 +35,6 @@ def zero_cache(groups: Sequence[CacheGroup], batch: int, length: int, dtype: tor
     return LayerGroupKV(sliding, full, torch.zeros(batch, length, dtype=torch.long, device=device))
 
 
-def encoder_inputs(ids: Tensor, positions: Tensor, key_mask: Tensor, cache: LayerGroupKV) -> dict[str, Tensor]:
-    """The exported encoder's inputs by name (`dlmrt.export.uniform_export`): the loop's `[B, P + T]` key
-    mask split into `past_key_mask [B, P]` and `key_mask [B, T]`."""
-    from dlmrt.core.errors import ArgumentError
-
-    prefix = cache.positions.shape[1]
-    if key_mask.shape != (ids.shape[0], prefix + ids.shape[1]):
-        raise ArgumentError(f"key_mask has shape {list(key_mask.shape)}, but a cache of {prefix} positions and "
-                            f"{ids.shape[1]} ids need [{ids.shape[0]}, {prefix + ids.shape[1]}]")
-    return {"ids": ids, "positions": positions, "key_mask": key_mask[:, prefix:],
-            "past_key_mask": key_mask[:, :prefix], "past_sliding": cache.sliding, "past_full": cache.full,
-            "past_positions": cache.positions}
-
-
 @dataclass
 class UniformState(StaticBuffers):
     """The static buffers of one uniform-noise bucket (B rows, W block positions, S cache positions)."""
@@ -64,6 +50,12 @@ class UniformState(StaticBuffers):
     cache_positions: Tensor  # [B, S] int64
     past_key_mask: Tensor  # [B, S] bool: the cache positions that hold K/V of a real token
     prompt_lengths: Tensor  # [B] int64
+    # what the encoder reads (`dlmrt.runtime.encode_step`), written before each commit
+    prompt_ids: Tensor  # [B, P] int64: the joining rows' left-padded prompts
+    prompt_positions: Tensor  # [B, P] int64
+    prompt_key_mask: Tensor  # [B, P] bool
+    block_tokens: Tensor  # [B, W] int64: the finished block's tokens
+    committing: Tensor  # [B] bool: the rows whose K/V a commit keeps
     # per-row policy parameters
     temperatures: Tensor  # [B, schedule] float32: the temperature of each step (the first `last_step + 1`)
     last_step: Tensor  # [B] int64: the schedule's last step (a block's steps beyond it reuse its temperature)
@@ -104,6 +96,10 @@ class UniformState(StaticBuffers):
             z=torch.zeros(rows, width, spec.hidden_size, dtype=spec.dtype, device=device),
             cache_sliding=sliding, cache_full=full, cache_positions=cache_positions,
             past_key_mask=torch.zeros(rows, storage, **flag), prompt_lengths=torch.zeros(rows, **long),
+            prompt_ids=torch.zeros(rows, bucket.prompt, **long),
+            prompt_positions=torch.zeros(rows, bucket.prompt, **long),
+            prompt_key_mask=torch.zeros(rows, bucket.prompt, **flag), block_tokens=torch.zeros(rows, width, **long),
+            committing=torch.zeros(rows, **flag),
             temperatures=torch.ones(rows, bucket.schedule, **real), last_step=torch.zeros(rows, **long),
             entropy_bound=torch.zeros(rows, **real),
             seed=torch.zeros(rows, **long), stability_threshold=torch.zeros(rows, **long),
@@ -122,19 +118,28 @@ class UniformState(StaticBuffers):
         """The whole storage, as the decoder reads it (masked by `past_key_mask`)."""
         return LayerGroupKV(self.cache_sliding, self.cache_full, self.cache_positions)
 
-    def cache_before(self, block: int) -> LayerGroupKV:
-        """The storage up to block `block`'s slot: what the encoder extends when it commits that block."""
-        end = self.bucket.slot(block)
-        return LayerGroupKV(self.cache_sliding[..., :end, :], self.cache_full[..., :end, :],
-                            self.cache_positions[:, :end])
+    def encoder_inputs(self, block: int | None) -> dict[str, Tensor]:
+        """The exported encoder's inputs by name (`dlmrt.export.uniform_export`), as views of this
+        state's buffers: the prompts over no cache (`block` None), or block `block`'s tokens over the
+        storage before its slot."""
+        if block is None:
+            ids, positions, key_mask, end = self.prompt_ids, self.prompt_positions, self.prompt_key_mask, 0
+        else:
+            ids, positions, key_mask, end = self.block_tokens, self.positions, self.key_mask, self.bucket.slot(block)
+        return {"ids": ids, "positions": positions, "key_mask": key_mask,
+                "past_key_mask": self.past_key_mask[:, :end], "past_sliding": self.cache_sliding[..., :end, :],
+                "past_full": self.cache_full[..., :end, :], "past_positions": self.cache_positions[:, :end]}
 
-    def write_cache(self, cache: LayerGroupKV, start: int, rows: Tensor) -> None:
-        """Store the encoder's K/V of cache positions [start, its length) for `rows` (what the decoder
-        may see of it is `past_key_mask`'s to say)."""
-        end = cache.positions.shape[1]
-        self.cache_sliding[:, :, rows, :, start:end] = cache.sliding[:, :, rows, :, start:]
-        self.cache_full[:, :, rows, :, start:end] = cache.full[:, :, rows, :, start:]
-        self.cache_positions[rows, start:end] = cache.positions[rows, start:]
+    def keep_encoded(self, cache: LayerGroupKV, start: int) -> None:
+        """Store the encoder's K/V of cache positions [start, its length) for the `committing` rows, as a
+        step does: on the device, whatever the rows (what the decoder may see of it is
+        `past_key_mask`'s to say)."""
+        end, rows = cache.positions.shape[1], self.committing
+        for target, new in ((self.cache_sliding, cache.sliding), (self.cache_full, cache.full)):
+            kept = target[..., start:end, :]  # [layers, 2, B, heads, end - start, head_dim]
+            kept.copy_(torch.where(rows[:, None, None, None], new[..., start:, :], kept))
+        kept = self.cache_positions[:, start:end]
+        kept.copy_(torch.where(rows[:, None], cache.positions[:, start:], kept))
 
     # -- rows in and out (at block boundaries) ------------------------------------------------------
     def reset(self) -> None:
@@ -161,6 +166,8 @@ class UniformState(StaticBuffers):
         count, shift = len(rows), self.bucket.prompt - source.bucket.prompt
         self.reset()
         for name, tensor in self.tensors().items():
+            if name in _ENCODER_INPUTS:  # written before each commit; the prompt region's size may differ
+                continue
             moved = getattr(source, name).index_select(2 if name in _CACHES else 0, index)
             if name in _CACHES:
                 shifted_copy(tensor.narrow(2, 0, count), moved, shift, dim=4)
@@ -192,4 +199,5 @@ class UniformState(StaticBuffers):
 
 
 _CACHES = ("cache_sliding", "cache_full")  # [layers, 2, B, heads, S, head_dim]
+_ENCODER_INPUTS = ("prompt_ids", "prompt_positions", "prompt_key_mask", "block_tokens", "committing")
 _STORAGE_ROWS = ("cache_positions", "past_key_mask")  # [B, S]

@@ -31,7 +31,8 @@ from dlmrt.export.export_manifest import (CANVAS_GRAPHS, MANIFEST_FILE, ExportMa
 from dlmrt.models.residual import Residual  # noqa: E402
 from dlmrt.runtime import EntropyBound, GenerationSettings, Generator, Threshold  # noqa: E402
 from dlmrt.runtime.exported_model import ExportedModel  # noqa: E402
-from dlmrt.runtime.uniform_state import encoder_inputs, zero_cache  # noqa: E402
+from dlmrt.models.denoiser import LayerGroupKV  # noqa: E402
+from dlmrt.runtime.uniform_state import zero_cache  # noqa: E402
 from dlmrt.runtime.ort_backend import OrtBackend  # noqa: E402
 from shared_exports import SHARED_EXPORTS  # noqa: E402
 
@@ -65,20 +66,39 @@ def backend(exported) -> OrtBackend:
     return OrtBackend(exported, threads=1)
 
 
+def ort_run(backend, graph: str, feeds) -> list[torch.Tensor]:
+    """`graph`'s session run on copies of `feeds`, outside the runtime's bindings."""
+    arrays = {name: np.ascontiguousarray(tensor.detach().numpy()) for name, tensor in feeds.items()}
+    return [torch.from_numpy(array) for array in backend.sessions[graph].run(None, arrays)]
+
+
+def graph_feeds(backend, ids, positions, key_mask, cache):
+    """The encoder's or decoder's feeds: the loop's `[B, P + T]` key mask split at the cache's P (None:
+    no context)."""
+    if cache is None:
+        cache = zero_cache(backend.cache_groups(), ids.shape[0], 0, backend.spec.dtype)
+    prefix = cache.positions.shape[1]
+    return {"ids": ids, "positions": positions, "key_mask": key_mask[:, prefix:],
+            "past_key_mask": key_mask[:, :prefix], "past_sliding": cache.sliding, "past_full": cache.full,
+            "past_positions": cache.positions}
+
+
+def ort_encode(backend, ids, positions, key_mask, cache) -> LayerGroupKV:
+    return LayerGroupKV(*ort_run(backend, "encode", graph_feeds(backend, ids, positions, key_mask, cache)))
+
+
 def ort_decode(backend, canvas, positions, key_mask, cache, soft_tokens):
     """One run of the decode graph: logits of `canvas` after `cache` (None: no context), conditioned on
     `soft_tokens` (None: the first step, z = 0)."""
-    if cache is None:
-        cache = zero_cache(backend.cache_groups(), canvas.shape[0], 0, backend.spec.dtype)
     z = torch.zeros(*canvas.shape, backend.spec.hidden_size) if soft_tokens is None else soft_tokens.z
-    feeds = encoder_inputs(canvas, positions, key_mask, cache)
+    feeds = graph_feeds(backend, canvas, positions, key_mask, cache)
     feeds["canvas"] = feeds.pop("ids")
-    (logits,) = backend._run("decode", {**feeds, "z": z})
+    (logits,) = ort_run(backend, "decode", {**feeds, "z": z})
     return logits
 
 
 def ort_soft_tokens(backend, scaled_logits):
-    return Residual(*backend._run("soft_tokens", {"scaled_logits": scaled_logits.float()}))
+    return Residual(*ort_run(backend, "soft_tokens", {"scaled_logits": scaled_logits.float()}))
 
 
 def largest_difference(got, expected) -> float:
@@ -203,8 +223,8 @@ def test_the_encoder_cache_matches_torch_from_an_empty_prefix_and_after_a_commit
     with torch.no_grad():
         expected = model.encode(prompt, positions=positions, key_mask=key_mask)
         committed = model.encode(canvas, positions=canvas_positions, key_mask=canvas_mask, past=expected)
-    got = backend.encode(prompt, positions, key_mask, None)  # the prompt: the encode graph over P = 0
-    got_committed = backend.encode(canvas, canvas_positions, canvas_mask, got)
+    got = ort_encode(backend, prompt, positions, key_mask, None)  # the prompt: the encode graph over P = 0
+    got_committed = ort_encode(backend, canvas, canvas_positions, canvas_mask, got)
     for ours, theirs in ((got, expected), (got_committed, committed)):
         assert_close(ours.sliding, theirs.sliding)
         assert_close(ours.full, theirs.full)
@@ -222,11 +242,12 @@ def test_the_decoder_logits_match_torch_on_the_recorded_steps(backend, model):
                                residual=signal).logits
         committed = model.encode(canvas, positions=canvas_positions, key_mask=canvas_mask, past=cache)
         after = model.denoise(following[0], positions=following[1], key_mask=following[2], past=committed).logits
-    ort_cache = backend.encode(prompt, positions, key_mask, None)
+    ort_cache = ort_encode(backend, prompt, positions, key_mask, None)
     ort_first = ort_decode(backend, canvas, canvas_positions, canvas_mask, ort_cache, None)
     ort_signal = ort_soft_tokens(backend, EXPECTED["first_logits"] / SELF_CONDITIONING_TEMPERATURE)
     ort_second = ort_decode(backend, canvas, canvas_positions, canvas_mask, ort_cache, ort_signal)
-    ort_after = ort_decode(backend, *following, backend.encode(canvas, canvas_positions, canvas_mask, ort_cache), None)
+    ort_committed = ort_encode(backend, canvas, canvas_positions, canvas_mask, ort_cache)
+    ort_after = ort_decode(backend, *following, ort_committed, None)
     for got, expected, recorded in ((ort_first, first, "first_logits"), (ort_second, second, "second_logits"),
                                     (ort_after, after, "next_logits")):
         assert_close(got, expected)
@@ -290,10 +311,10 @@ def test_ort_gives_the_torch_tokens_of_the_trained_model(trained_export, setting
 
 @pytest.mark.slow
 def test_requests_beyond_the_export_fail_before_any_compute(backend, monkeypatch):
-    def no_compute(graph, feeds):
-        raise AssertionError(f"the {graph} graph ran")
+    def no_compute(graph, *args, **kwargs):
+        raise AssertionError(f"the {graph} graph was bound to run")
 
-    monkeypatch.setattr(backend, "_run", no_compute)
+    monkeypatch.setattr(backend, "bind", no_compute)
     generator = Generator(backend)
     too_long = GenerationSettings(64, 64, EntropyBound(steps=2))  # a block longer than the export's 48 positions
     with pytest.raises(ArgumentError, match=r"needs \d+ positions, more than the model's context of 48: "

@@ -252,11 +252,13 @@ class _CaptureChecks(TorchDispatchMode):
 
 
 def test_the_step_reads_nothing_from_the_host_and_copies_nothing_to_the_device(model, monkeypatch):
-    """The uniform-noise step (decoder, dlmrt::EntropyBoundStep, soft tokens) as a CUDA graph captures it,
-    emulated on a CPU: on the meta device, with `torch.cuda.is_current_stream_capturing()` true (the
-    fixed-shape paths), after one step as the executor's warm-up. A copy from the host or a host read
-    in it would fail the capture (`Cannot copy between CPU and CUDA tensors during CUDA graph capture`)."""
+    """The uniform-noise step (decoder, dlmrt::EntropyBoundStep, soft tokens) and the encoder's cache
+    commits as a CUDA graph captures them, emulated on a CPU: on the meta device, with
+    `torch.cuda.is_current_stream_capturing()` true (the fixed-shape paths), after one step as the
+    executor's warm-up. A copy from the host or a host read in them would fail the capture (`Cannot
+    copy between CPU and CUDA tensors during CUDA graph capture`)."""
     from dlmrt.runtime.buckets import Bucket
+    from dlmrt.runtime.encode_step import EncodeStep
     from dlmrt.runtime.torch_backend import TorchBackend
     from dlmrt.runtime.uniform_state import UniformState
     from dlmrt.runtime.uniform_step import UNIFORM_STEP
@@ -264,7 +266,10 @@ def test_the_step_reads_nothing_from_the_host_and_copies_nothing_to_the_device(m
     backend = TorchBackend(copy.deepcopy(model).to("meta"), mode="eager")
     bucket = Bucket(batch=2, canvas=12, block=4, noise="uniform", prompt=4, schedule=Bucket.schedule_room(4))
     state = UniformState.allocate(backend.spec, bucket, backend.cache_groups())
-    graphs = UNIFORM_STEP.bind(backend, state)
+    programs = (UNIFORM_STEP, EncodeStep(None), EncodeStep(0))
+    bound = [(program, program.bind(backend, state)) for program in programs]
+    # dynamo maps torch's functions once, on first use: before torch.tensor is patched, not during
+    torch._dynamo.trace_rules.get_torch_obj_rule_map()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     made_from_host = []
@@ -277,11 +282,12 @@ def test_the_step_reads_nothing_from_the_host_and_copies_nothing_to_the_device(m
 
     monkeypatch.setattr(torch, "tensor", host_tensor)
     with torch.no_grad():
-        UNIFORM_STEP.step(state, graphs)  # the warm-up
-        made_from_host.clear()
-        with _CaptureChecks():
-            UNIFORM_STEP.step(state, graphs)
-    assert made_from_host == []
+        for program, graphs in bound:
+            program.step(state, graphs)  # the warm-up
+            made_from_host.clear()
+            with _CaptureChecks():
+                program.step(state, graphs)
+            assert made_from_host == [], program
 
 
 @pytest.mark.parametrize("mode", [pytest.param("compile", marks=pytest.mark.slow),
