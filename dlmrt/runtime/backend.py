@@ -39,6 +39,7 @@ class Backend(ABC):
     every_output = False  # whether a binding needs a buffer for every output (TensorRT does)
     outputs_in_place = True  # a graph writes its outputs into bound buffers; else it returns tensors of its own
     specializes = False  # whether it builds a graph per GraphOptions (else one binding serves every option)
+    vocab_shard = None  # on a tensor-parallel rank, the vocabulary slice its logits hold (dlmrt.parallel)
 
     def __init__(self, spec: ModelSpec, ladder: BucketLadder, *, mode: str = "eager", on_failure: str = "raise",
                  on_compile: Callable[[str], None] | None = None):

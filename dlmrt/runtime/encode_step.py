@@ -9,7 +9,7 @@ Design notes: docs/runtime-modules.md#encode_step.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -31,13 +31,10 @@ class EncodeStep:
     def binding_key(self) -> tuple[str, int | None]:
         return "encode", self.block  # the cache prefix it reads, and so its shapes, differ per block
 
-    def bind(self, backend: Backend, state: UniformState) -> Callable[[], LayerGroupKV]:
-        inputs = state.encoder_inputs(self.block)
-        if backend.outputs_in_place:
-            return BoundEncoder(inputs, state, backend.bind)
-        return backend.uniform_graphs(state).encoder(inputs)
+    def bind(self, backend: Backend, state: UniformState) -> BoundEncoder:
+        return BoundEncoder(state.encoder_inputs(self.block), state, backend)
 
-    def step(self, state: UniformState, encode: Callable[[], LayerGroupKV]) -> None:
+    def step(self, state: UniformState, encode: BoundEncoder) -> None:
         state.keep_encoded(encode(), 0 if self.block is None else state.bucket.slot(self.block))
 
     def describe(self, state: UniformState) -> str:
@@ -47,26 +44,27 @@ class EncodeStep:
 
 
 class BoundEncoder:
-    """The exported encoder bound once to contiguous copies of its inputs and to output buffers, for a
-    backend whose graphs write their outputs in place (ONNX Runtime, TensorRT): a call refreshes the
-    copies of the inputs that are views of the state (the cache before the block), then runs it."""
+    """The `encode` graph bound once to a bucket's buffers, on any backend. A backend whose graphs write
+    in place (ONNX Runtime, TensorRT) reads contiguous buffers: the inputs that are views of the state
+    (the cache before the block) are copied into buffers of their own before each run, and the outputs
+    are buffers of the prefix and the block's length, held here. The torch backend reads the views and
+    returns tensors of its own."""
 
-    def __init__(self, inputs: Mapping[str, Tensor], state: UniformState,
-                 bind: Callable[[str, Mapping[str, Tensor], Mapping[str, Tensor]], Callable[[], object]]):
-        self.views = {name: tensor for name, tensor in inputs.items() if not tensor.is_contiguous()}
+    def __init__(self, inputs: Mapping[str, Tensor], state: UniformState, backend: Backend):
+        in_place = backend.outputs_in_place
+        self.views = {name: tensor for name, tensor in inputs.items() if in_place and not tensor.is_contiguous()}
         self.copies = {name: tensor.clone(memory_format=torch.contiguous_format)
                        for name, tensor in self.views.items()}
-        bound = {**inputs, **self.copies}
         length = inputs["past_positions"].shape[1] + inputs["ids"].shape[1]
         sliding, full = state.cache_sliding, state.cache_full
-        self.outputs = LayerGroupKV(sliding.new_empty((*sliding.shape[:4], length, sliding.shape[5])),
-                                    full.new_empty((*full.shape[:4], length, full.shape[5])),
-                                    state.cache_positions.new_empty((state.bucket.batch, length)))
-        names = ("sliding", "full", "cache_positions")  # the export's encoder outputs (uniform_export.OUTPUTS)
-        self._run = bind("encode", bound, dict(zip(names, self.outputs)))
+        outputs = {"sliding": sliding.new_empty((*sliding.shape[:4], length, sliding.shape[5])),
+                   "full": full.new_empty((*full.shape[:4], length, full.shape[5])),
+                   "cache_positions": state.cache_positions.new_empty((state.bucket.batch, length))}
+        self.outputs = outputs if in_place else dict.fromkeys(outputs)
+        self._run = backend.bind("encode", {**inputs, **self.copies}, self.outputs)
 
     def __call__(self) -> LayerGroupKV:
         for name, view in self.views.items():
             self.copies[name].copy_(view)
-        self._run()
-        return self.outputs
+        found = self._run()
+        return LayerGroupKV(found["sliding"], found["full"], found["cache_positions"])

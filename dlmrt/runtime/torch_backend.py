@@ -14,15 +14,15 @@ import torch
 from torch import Tensor
 
 from dlmrt.core.errors import ArgumentError
+from dlmrt.export.export_manifest import CANVAS_GRAPHS as UNIFORM_GRAPHS
 from dlmrt.models import Denoiser
 from dlmrt.models.denoiser import LayerGroupKV
 from dlmrt.models.residual import Residual
 from dlmrt.models.step_graph import GRAPHS, GUIDED_GRAPHS, LOGITS_OUTPUT, StepGraph, output_names
-from dlmrt.ops.entropy_bound import RenoiseParams, RenoiseResult, entropy_bound_step
 from dlmrt.ops.parallel_unmask import choice
 from dlmrt.runtime import onednn
 from dlmrt.runtime.backend import Backend, GraphOptions
-from dlmrt.runtime.uniform_state import CacheGroup, UniformState
+from dlmrt.runtime.uniform_state import CacheGroup
 from dlmrt.runtime.buckets import BucketLadder
 from dlmrt.runtime.device_step import TokenLogprobs
 from dlmrt.runtime.executor import MODES
@@ -93,7 +93,7 @@ class TorchBackend(Backend):
             batch_hint="raise the limit with --max-batch (TorchBackend(max_batch=...))",
             canvas_hint="raise it with TorchBackend(max_length=...), up to the model's context"),
             mode=resolved, on_failure="fall back" if mode == "auto" else "explain", on_compile=on_compile)
-        self.model, self.observe = model, observe
+        self.model, self.observe, self.vocab_shard = model, observe, model.vocab_shard
         # "torch" or "triton"; a bucket that falls back to eager keeps it
         self.unmask = choice.resolve(unmask, spec.device, resolved, sharded=spec.vocab_ranks > 1)
         self._graphs: dict[tuple, StepGraph] = {}
@@ -114,8 +114,11 @@ class TorchBackend(Backend):
              options: GraphOptions = GraphOptions()) -> _TorchBinding:
         """The step graph module for `graph` on these inputs, specialized on what the step reads (K/V
         out only where `outputs` has a buffer for it, the block's logits likewise) and on `options`."""
+        if graph in UNIFORM_GRAPHS:
+            return _TorchUniformBinding(self.model, graph, inputs)
         if graph not in GRAPHS + GUIDED_GRAPHS:
-            raise ValueError(f"the torch backend builds the step graphs {GRAPHS + GUIDED_GRAPHS}, not {graph!r}")
+            raise ValueError(f"the torch backend runs the graphs {GRAPHS + GUIDED_GRAPHS + UNIFORM_GRAPHS}, "
+                             f"not {graph!r}")
         model = self._step_model()
         grid = inputs["block_index"].shape[0] if self.spec.block_causal else None
         return_kv, logits = "kv" in outputs, LOGITS_OUTPUT in outputs or "top_token" in outputs
@@ -136,42 +139,35 @@ class TorchBackend(Backend):
             run()
         return refreshed
 
-    def uniform_graphs(self, state: UniformState) -> _TorchUniformGraphs:
-        return _TorchUniformGraphs(self.model)
-
     def cache_groups(self) -> tuple[CacheGroup, CacheGroup]:
         return tuple(CacheGroup(*shape) for shape in self.model.cache_groups())
 
 
-class _TorchUniformGraphs:
-    """A uniform-noise model's decoder and soft tokens as `uniform_step.step` calls them."""
+class _TorchUniformBinding:
+    """A uniform-noise model's `encode`, `decode` or `soft_tokens` (the graphs `dlmrt.export.uniform_export`
+    exports, by the same input and output names) run by the torch model on the bound buffers; a call
+    returns the outputs by name (the model's own tensors)."""
 
-    def __init__(self, model: Denoiser):
-        self.model = model
+    def __init__(self, model: Denoiser, graph: str, inputs: Mapping[str, Tensor]):
+        self.model, self.inputs = model, dict(inputs)
+        self.run = {"encode": self._encode, "decode": self._decode, "soft_tokens": self._soft_tokens}[graph]
 
-    def encoder(self, inputs: Mapping[str, Tensor]) -> Callable[[], LayerGroupKV]:
-        """The encoder on the state's views `inputs` (`UniformState.encoder_inputs`): a prompt is
-        encoded over no cache at all, as the model's own loop does."""
-        ids, positions, block_keys = inputs["ids"], inputs["positions"], inputs["key_mask"]
-        past = LayerGroupKV(inputs["past_sliding"], inputs["past_full"], inputs["past_positions"])
-        if past.positions.shape[1] == 0:
-            return lambda: self.model.encode(ids, positions=positions, key_mask=block_keys)
+    def __call__(self) -> dict[str, Tensor]:
+        return self.run(**self.inputs)
 
-        def commit() -> LayerGroupKV:
-            key_mask = torch.cat((inputs["past_key_mask"], block_keys), dim=1)
-            return self.model.encode(ids, positions=positions, key_mask=key_mask, past=past)
-        return commit
+    def _encode(self, ids, positions, key_mask, past_key_mask, past_sliding, past_full, past_positions):
+        if past_positions.shape[1] == 0:  # a prompt is encoded over no cache at all, as the model's loop does
+            cache = self.model.encode(ids, positions=positions, key_mask=key_mask)
+        else:
+            cache = self.model.encode(ids, positions=positions, key_mask=torch.cat((past_key_mask, key_mask), dim=1),
+                                      past=LayerGroupKV(past_sliding, past_full, past_positions))
+        return {"sliding": cache.sliding, "full": cache.full, "cache_positions": cache.positions}
 
-    def decode(self, state: UniformState) -> Tensor:
-        key_mask = torch.cat((state.past_key_mask, state.key_mask), dim=1)
-        return self.model.denoise(state.block_ids, positions=state.positions, key_mask=key_mask, past=state.cache,
-                                  residual=Residual(state.z, None)).logits
+    def _decode(self, canvas, positions, key_mask, past_key_mask, past_sliding, past_full, past_positions, z):
+        logits = self.model.denoise(canvas, positions=positions, key_mask=torch.cat((past_key_mask, key_mask), dim=1),
+                                    past=LayerGroupKV(past_sliding, past_full, past_positions),
+                                    residual=Residual(z, None)).logits
+        return {"logits": logits}
 
-    def soft_tokens(self, scaled_logits: Tensor) -> Tensor:
-        return self.model.soft_tokens(scaled_logits).z
-
-    def entropy_bound_step(self, logits: Tensor, canvas: Tensor, positions: Tensor, params: RenoiseParams,
-                           finished: Tensor) -> RenoiseResult:
-        if self.model.vocab_shard is not None:
-            return self.model.vocab_shard.entropy_bound_step(logits, canvas, positions, params, finished)
-        return entropy_bound_step(logits, canvas, positions, params, finished=finished)
+    def _soft_tokens(self, scaled_logits):
+        return dict(zip(("z", "certainty"), self.model.soft_tokens(scaled_logits)))

@@ -7,7 +7,6 @@ Design notes: docs/runtime-modules.md#uniform_step.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -33,36 +32,45 @@ class UniformGraphs(Protocol):
 
 
 class BoundUniformGraphs:
-    """Exported `decode` and `soft_tokens` graphs bound once to a bucket's buffers, for a backend whose
-    graphs write their outputs in place (ONNX Runtime, TensorRT). `bind(graph, inputs, outputs)` binds a
-    graph to buffers by name and returns a callable that runs it on them; a step then copies nothing but
-    the scaled logits into place."""
+    """The `decode` and `soft_tokens` graphs bound once to a bucket's buffers, on any backend:
+    `bind(graph, inputs, outputs)` binds a graph to buffers by name and returns a callable that runs it
+    on them and returns its outputs by name. A backend whose graphs write in place (ONNX Runtime,
+    TensorRT) gets output buffers, held here; the torch backend returns tensors of its own. A step
+    copies nothing but the scaled logits into place. On a tensor-parallel rank the logits are its
+    vocabulary slice, and `dlmrt::EntropyBoundStep` runs over the ranks (`dlmrt.parallel.vocab`)."""
 
-    def __init__(self, state: UniformState, vocab_size: int,
-                 bind: Callable[[str, Mapping[str, Tensor], Mapping[str, Tensor]], Callable[[], object]]):
+    def __init__(self, state: UniformState, backend: Backend):
         rows, width = state.block_ids.shape
-        device = state.block_ids.device
+        device, in_place = state.block_ids.device, backend.outputs_in_place
+
+        def buffer(*shape: int, like: Tensor | None = None) -> Tensor | None:
+            if not in_place:
+                return None
+            return torch.empty_like(like) if like is not None else torch.empty(*shape, dtype=torch.float32,
+                                                                               device=device)
         # Every bound buffer is held here, so that it lives as long as the bindings that write it.
         self.state = state
-        self.logits = torch.empty(rows, width, vocab_size, dtype=torch.float32, device=device)
-        self.scaled = torch.empty_like(self.logits)
-        self.z = torch.empty_like(state.z)
-        self.certainty = torch.empty(rows, width, dtype=torch.float32, device=device)
-        self._decode = bind("decode", state.decoder_inputs(), {"logits": self.logits})
-        self._soft_tokens = bind("soft_tokens", {"scaled_logits": self.scaled},
-                                 {"z": self.z, "certainty": self.certainty})
+        shard = backend.vocab_shard
+        vocab = backend.spec.vocab_size if shard is None else shard.rows.stop - shard.rows.start
+        self.scaled = torch.empty(rows, width, vocab, dtype=torch.float32, device=device)
+        self.outputs = {"logits": buffer(*self.scaled.shape), "z": buffer(like=state.z),
+                        "certainty": buffer(rows, width)}
+        self._decode = backend.bind("decode", state.decoder_inputs(), {"logits": self.outputs["logits"]})
+        self._soft_tokens = backend.bind("soft_tokens", {"scaled_logits": self.scaled},
+                                         {name: self.outputs[name] for name in ("z", "certainty")})
+        self._vocab_shard = shard
 
     def decode(self, state: UniformState) -> Tensor:
-        self._decode()
-        return self.logits
+        return self._decode()["logits"]
 
     def soft_tokens(self, scaled_logits: Tensor) -> Tensor:
         self.scaled.copy_(scaled_logits)
-        self._soft_tokens()
-        return self.z
+        return self._soft_tokens()["z"]
 
     def entropy_bound_step(self, logits: Tensor, canvas: Tensor, positions: Tensor, params: RenoiseParams,
                            finished: Tensor) -> RenoiseResult:
+        if self._vocab_shard is not None:
+            return self._vocab_shard.entropy_bound_step(logits, canvas, positions, params, finished)
         return entropy_bound_step(logits, canvas, positions, params, finished=finished)
 
 
@@ -73,9 +81,7 @@ class UniformStep:
     binding_key: str = "uniform"
 
     def bind(self, backend: Backend, state: UniformState) -> UniformGraphs:
-        if backend.outputs_in_place:
-            return BoundUniformGraphs(state, backend.spec.vocab_size, backend.bind)
-        return backend.uniform_graphs(state)  # the torch modules, called on the step's own tensors
+        return BoundUniformGraphs(state, backend)
 
     def step(self, state: UniformState, graphs: UniformGraphs) -> None:
         step(state, graphs)

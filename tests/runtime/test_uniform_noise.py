@@ -114,17 +114,19 @@ def test_the_decoder_over_the_storage_is_the_plain_decoder(model):
     """The step's decoder reads the bucket's cache storage (prompt left-padded to whole blocks, unwritten
     slots masked): the same logits as the plain decoder over the prompt's own cache, to float rounding."""
     from dlmrt.runtime.batches import open_batch
-    from dlmrt.runtime.torch_backend import TorchBackend, _TorchUniformGraphs
+    from dlmrt.runtime.torch_backend import TorchBackend
+    from dlmrt.runtime.uniform_step import UNIFORM_STEP
 
     prompt = PROMPTS[0]
-    batch = open_batch(TorchBackend(model, mode="eager"))
+    backend = TorchBackend(model, mode="eager")
+    batch = open_batch(backend)
     batch.add(0, prompt, GenerationSettings(16, 8, EntropyBound()), seed=0)
     with torch.no_grad():
         batch._place_waiting()  # the row joins: the encoder writes its prompt's K/V
         state = batch.state
         assert state.bucket.prompt == 8 and state.bucket.storage == 16  # 4 tokens of padding, 8 unwritten slots
         state.start_blocks(model.vocab_size)
-        got = _TorchUniformGraphs(model).decode(state)
+        got = UNIFORM_STEP.bind(backend, state).decode(state)
         positions = torch.arange(len(prompt), len(prompt) + 8)[None]
         expected = model.denoise(state.block_ids, positions=positions, past=model.encode(torch.tensor([prompt]))).logits
     assert (got - expected).abs().max() < 1e-4
