@@ -55,16 +55,23 @@ class BoundEncoder:
         self.views = {name: tensor for name, tensor in inputs.items() if in_place and not tensor.is_contiguous()}
         self.copies = {name: tensor.clone(memory_format=torch.contiguous_format)
                        for name, tensor in self.views.items()}
-        length = inputs["past_positions"].shape[1] + inputs["ids"].shape[1]
-        sliding, full = state.cache_sliding, state.cache_full
-        outputs = {"sliding": sliding.new_empty((*sliding.shape[:4], length, sliding.shape[5])),
-                   "full": full.new_empty((*full.shape[:4], length, full.shape[5])),
-                   "cache_positions": state.cache_positions.new_empty((state.bucket.batch, length))}
-        self.outputs = outputs if in_place else dict.fromkeys(outputs)
+        self.outputs = _output_buffers(inputs, state) if in_place else dict.fromkeys(_OUTPUTS)
         self._run = backend.bind("encode", {**inputs, **self.copies}, self.outputs)
 
     def __call__(self) -> LayerGroupKV:
         for name, view in self.views.items():
             self.copies[name].copy_(view)
         found = self._run()
-        return LayerGroupKV(found["sliding"], found["full"], found["cache_positions"])
+        return LayerGroupKV(*(found[name] for name in _OUTPUTS))
+
+
+_OUTPUTS = ("sliding", "full", "cache_positions")  # the exported encoder's (uniform_export.OUTPUTS)
+
+
+def _output_buffers(inputs: Mapping[str, Tensor], state: UniformState) -> dict[str, Tensor]:
+    """The encoder's outputs for a backend that writes in place: the cache of the prefix and the ids."""
+    length = inputs["past_positions"].shape[1] + inputs["ids"].shape[1]
+    sliding, full = state.cache_sliding, state.cache_full
+    return {"sliding": sliding.new_empty((*sliding.shape[:4], length, sliding.shape[5])),
+            "full": full.new_empty((*full.shape[:4], length, full.shape[5])),
+            "cache_positions": state.cache_positions.new_empty((state.bucket.batch, length))}
