@@ -21,8 +21,13 @@ from shared_exports import SharedExports  # noqa: E402
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # also where torch was loaded before this file
 
 STEPS_PER_SYNC = (1, 4, "block")
-# torch.compile's artifacts, shared by the session's tests and kept out of the user's cache.
+
+
+# torch.compile's artifacts and dlmrt's own cache (the exports and ONNX Runtime files the CLI makes on first
+# use), kept out of the user's. The xdist workers inherit the controller's directories, so what one worker
+# compiled or exported (10-30 s) the other loads in a second; both caches are safe for concurrent processes.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="dlmrt-tests-inductor-"))
+os.environ.setdefault("DLMRT_HOME", tempfile.mkdtemp(prefix="dlmrt-tests-home-"))
 
 
 def pytest_addoption(parser):
