@@ -1,6 +1,6 @@
 """The ORL tiny model shipped in dlmrt/assets: a residual model of the tiny model's shape whose export
 holds the dlmrt::ResidualContext op. That it gives the same tokens on every backend and mode is the
-parity matrix's `llada-orl` subject (tests/runtime/test_parity_matrix.py)."""
+parity matrix's `llada-orl` subject (tests/parity_matrix.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The step loop on the device: padded buckets give the unpadded tokens, the host reads the device once
 per K steps, and bad modes, limits and failures get one clear error. That the compiled step (one graph,
-fullgraph=True) gives the eager tokens is the parity matrix's compile column (test_parity_matrix.py)."""
+fullgraph=True) gives the eager tokens is the parity matrix's compile column (test_parity_matrix_compiled.py)."""
 
 from __future__ import annotations
 

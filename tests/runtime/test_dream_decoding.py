@@ -1,5 +1,5 @@
 """Dream's decoding (policy `dream`) against the public `diffusion_generate` in the eager loop at every
-K; on the other backends and modes, the parity matrix (test_parity_matrix.py) holds it to the same.
+K; on the other backends and modes, the parity matrix (tests/parity_matrix.py) holds it to the same.
 
 The expected tokens are what the public Dream code's own `diffusion_generate` returned at temperature
 0 on a random checkpoint that code wrote (`tests/data/make_dream.py`, recorded in

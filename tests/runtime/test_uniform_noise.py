@@ -298,7 +298,7 @@ def test_another_schedule_reuses_the_compiled_or_captured_steps(mode):
     """The temperature schedule and the step count are the step's inputs, not its code: a new one runs
     on the runner already compiled (torch.compile, fullgraph=True) or captured (one CUDA graph per
     bucket), and gives the eager tokens. That the compiled step gives the eager tokens at all is the
-    parity matrix's (test_parity_matrix.py)."""
+    parity matrix's (test_parity_matrix_compiled.py)."""
     import dlmrt
 
     if mode == "cudagraph" and not torch.cuda.is_available():
