@@ -230,7 +230,3 @@ def check_cell(cell: Cell, exports) -> None:
         expected = eager_tokens(cell.subject, dataclasses.replace(settings, steps_per_sync=1))
     assert torch.equal(found.cpu(), expected)
 
-
-def cell_params(cells: list[Cell]) -> list:
-    """The cells as pytest parameters, the CUDA-graph ones marked gpu."""
-    return [pytest.param(c, marks=pytest.mark.gpu) if c.mode == "cudagraph" else c for c in cells]
